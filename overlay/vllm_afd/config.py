@@ -1,0 +1,429 @@
+"""AFD configuration: ``additional_config["afd"]`` parsed once into a frozen ``AFDConfig``.
+
+The only channel is vLLM's ``additional_config`` (AFD_SPEC.md §2.1): the presence of ``afd`` activates
+AFD, and a present config must validate, never silently deactivate. Parsing follows the fixed order
+of §2.4 and stops at the first failure, so a user sees the same message whatever else is wrong.
+This module imports neither torch nor vLLM: vLLM's plugin loader imports the overlay in every process,
+and every check here must finish before any socket, group or device memory is taken.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import difflib
+import hashlib
+import json
+import math
+import numbers
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = [
+    "AFD_KEY",
+    "ALIASES",
+    "AFDConfig",
+    "CAM_CONNECTORS",
+    "CONNECTORS",
+    "FIELD_NAMES",
+    "GRAPH_FIELDS",
+    "ROLES",
+    "RUNTIME_ONLY_FIELDS",
+    "check_p2p_extra_config",
+    "get_additional_config",
+    "has_afd_config",
+    "is_afd_active",
+    "parse_afd_config",
+    "require_afd_config",
+]
+
+AFD_KEY = "afd"
+ROLES = ("attention", "ffn")
+CONNECTORS = ("P2pNcclAFDConnector", "P2pGlooAFDConnector")
+# Known names of the reference's Ascend connectors: rejected with their own message (§2.4 step 7).
+CAM_CONNECTORS = ("CAMP2pAFDConnector", "CAMAsyncAFDConnector")
+
+# Input alias (the reference's spelling) -> canonical key. Never both in one config.
+ALIASES = {
+    "afd_connector": "connector",
+    "afd_role": "role",
+    "afd_port": "port",
+    "afd_host": "host",
+    "async": "async_dp",
+}
+
+# Names the reference accepted but which are runtime state here; each gets a targeted hint.
+RUNTIME_ONLY_FIELDS = {
+    # Reference PR #197 removed it after bug #192 double-counted the DP start rank.
+    "afd_role_rank": "role ranks are derived at runtime; remove it",
+    "rank": "ranks are derived from vLLM's distributed ranks at runtime; remove it",
+    "afd_server_rank": "FFN ranks are derived at runtime; remove it",
+    "num_attention_servers": "the attention worker count is 'num_attention_ranks'",
+    "num_ffn_servers": "the FFN worker count is 'num_ffn_ranks'",
+    "enabled": 'the presence of additional_config["afd"] enables AFD; remove it',
+    "afd_extra_config": "connector options go under 'connector_extra_config'",
+    "extra_config": "connector options go under 'connector_extra_config'",
+}
+
+# Fields whose values change what the compiled model graph contains (hazard 3 of §9).
+GRAPH_FIELDS = ("role", "connector", "num_attention_ranks", "num_ffn_ranks", "compute_gate_on_attention")
+
+_TRUE_WORDS = frozenset({"1", "true", "yes", "on"})
+_FALSE_WORDS = frozenset({"0", "false", "no", "off"})
+_HASH_DOMAIN = "vllm_afd.AFDConfig/1"
+
+
+class _FrozenMapping(Mapping):
+    """Read-only, picklable, deep-copied mapping; the value of ``connector_extra_config``."""
+
+    __slots__ = ("_data",)
+
+    def __init__(self, data: Mapping[Any, Any] = ()) -> None:
+        self._data = copy.deepcopy(dict(data))
+
+    def __getitem__(self, key: Any) -> Any:
+        return self._data[key]
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self._data)
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+    def __repr__(self) -> str:
+        return repr(self._data)
+
+    def __getstate__(self) -> dict[Any, Any]:
+        return self._data
+
+    def __setstate__(self, state: dict[Any, Any]) -> None:
+        self._data = state
+
+
+# --- coercion (§2.3): every failure is a TypeError naming the field and the value -------------
+
+
+def _coerce_bool(name: str, value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, numbers.Integral) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str):
+        word = value.strip().lower()
+        if word in _TRUE_WORDS:
+            return True
+        if word in _FALSE_WORDS:
+            return False
+    shown = "async" if name == "async_dp" else name
+    raise TypeError(
+        f"{shown} must be a boolean, got {value!r}; use true/false (1/0, yes/no and on/off are "
+        "accepted too)"
+    )
+
+
+def _coerce_int(name: str, value: Any) -> int:
+    problem = isinstance(value, (bool, float))
+    if not problem:
+        try:
+            result = int(value)
+        except (TypeError, ValueError):
+            problem = True
+        else:
+            # NOTE: int() truncates Decimal/Fraction silently; a non-whole number is a typo here.
+            problem = isinstance(value, numbers.Number) and result != value
+    if problem:
+        raise TypeError(f"{name} must be an integer, got {value!r}; pass a whole number such as 1")
+    return result
+
+
+def _coerce_seconds(name: str, value: Any) -> float:
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        return float(value)
+    if isinstance(value, str):
+        try:
+            return float(value.strip())
+        except ValueError:
+            pass
+    raise TypeError(
+        f"{name} must be a number of seconds, got {value!r}; pass an int, a float or a numeric string"
+    )
+
+
+def _coerce_str(name: str, value: Any) -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be a string, got {value!r}; quote the value in the JSON")
+    return str(value)
+
+
+def _coerce_host(name: str, value: Any) -> str:
+    # NOTE: stripped because the emptiness rule (§2.4 step 11) is "after strip" and a hostname with
+    # surrounding blanks can only be a typo.
+    return _coerce_str(name, value).strip()
+
+
+def _coerce_mapping(name: str, value: Any) -> Mapping[Any, Any]:
+    if not isinstance(value, Mapping):
+        raise TypeError(
+            f"{name} must be a mapping, got {type(value).__name__}; pass a JSON object or leave it out"
+        )
+    return _FrozenMapping(value)
+
+
+# Coercion order = report order of §2.4 step 4 (canonical order, independent of the input's order).
+_COERCERS: dict[str, Callable[[str, Any], Any]] = {
+    "role": _coerce_str,
+    "connector": _coerce_str,
+    "host": _coerce_host,
+    "port": _coerce_int,
+    "num_attention_ranks": _coerce_int,
+    "num_ffn_ranks": _coerce_int,
+    "compute_gate_on_attention": _coerce_bool,
+    "async_dp": _coerce_bool,
+    "connector_extra_config": _coerce_mapping,
+    "rendezvous_timeout_s": _coerce_seconds,
+    "step_timeout_s": _coerce_seconds,
+    "peer_timeout_s": _coerce_seconds,
+}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class AFDConfig:
+    """Validated AFD settings of one process; build it with ``from_mapping`` or ``parse_afd_config``."""
+
+    # Which half of every decoder layer this process runs: "attention" or "ffn".
+    role: str = "attention"
+    # Transport between the roles: P2pNcclAFDConnector (CUDA) or P2pGlooAFDConnector (CPU / one GPU).
+    connector: str = "P2pNcclAFDConnector"
+    # Address of FFN rank 0, which hosts the rendezvous store.
+    host: str = "127.0.0.1"
+    # The one rendezvous TCP port; FFN rank 0 listens on it.
+    port: int = 1239
+    # A: attention workers in total (attention DP x TP).
+    num_attention_ranks: int = 1
+    # F: FFN workers in total (FFN DP x TP); A >= F, no divisibility required.
+    num_ffn_ranks: int = 1
+    # False: the FFN runs router and experts and every layer crosses; True: only MoE layers cross.
+    compute_gate_on_attention: bool = False
+    # Options of the selected connector, parsed by it; must be empty for both of ours.
+    connector_extra_config: Mapping[Any, Any] = field(default_factory=_FrozenMapping, hash=False)
+    # Bound on rendezvous plus handshake, in seconds.
+    rendezvous_timeout_s: float = 300.0
+    # Bound on one step's traffic once serving, in seconds.
+    step_timeout_s: float = 120.0
+    # A peer whose heartbeat is unchanged this long, in seconds, is lost.
+    peer_timeout_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        # Direct construction obeys the same coercion and rules as parsing (idempotent for parsed input).
+        for name in FIELD_NAMES:
+            object.__setattr__(self, name, _COERCERS[name](name, getattr(self, name)))
+        _check_values(self.to_mapping(), async_dp=False, expected_role=None)
+
+    @classmethod
+    def from_mapping(cls, raw: Any, expected_role: str | None = None) -> AFDConfig:
+        """Parse the value of ``additional_config["afd"]`` (§2.4 steps 2-12)."""
+        if not isinstance(raw, Mapping):
+            raise TypeError(
+                f"AFD config must be a mapping, got {type(raw).__name__}; pass "
+                """--additional-config '{"afd": {"role": "attention", ...}}'"""
+            )
+        given = _canonical_items(raw)
+        coerced = {name: _COERCERS[name](name, given[name]) for name in _COERCERS if name in given}
+        async_dp = coerced.pop("async_dp", False)
+        values = {**_DEFAULTS, **coerced}
+        _check_values(values, async_dp=async_dp, expected_role=expected_role)
+        return cls(**values)
+
+    def to_mapping(self) -> dict[str, Any]:
+        """Canonical keys only; ``from_mapping(cfg.to_mapping()) == cfg``."""
+        values = {name: getattr(self, name) for name in FIELD_NAMES}
+        values["connector_extra_config"] = copy.deepcopy(dict(self.connector_extra_config))
+        return values
+
+    def validate(self, expected_role: str | None = None) -> AFDConfig:
+        """Re-check the rules, now knowing the role the calling worker runs; returns ``self``."""
+        _check_values(self.to_mapping(), async_dp=False, expected_role=expected_role)
+        return self
+
+    def compute_hash(self) -> str:
+        """sha256 hex over graph-affecting fields only; host, port and timeouts do not change graphs."""
+        factors = {name: getattr(self, name) for name in GRAPH_FIELDS}
+        text = json.dumps([_HASH_DOMAIN, factors], sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+    @property
+    def num_role_ranks(self) -> int:
+        """Worker count of this process's role (A or F)."""
+        return self.num_attention_ranks if self.role == "attention" else self.num_ffn_ranks
+
+
+FIELD_NAMES = tuple(f.name for f in dataclasses.fields(AFDConfig))
+_DEFAULTS = {
+    f.name: (f.default_factory() if f.default is dataclasses.MISSING else f.default)  # type: ignore[misc]
+    for f in dataclasses.fields(AFDConfig)
+}
+_INPUT_KEYS = frozenset(_COERCERS)
+
+
+def _canonical_items(raw: Mapping[Any, Any]) -> dict[str, Any]:
+    """§2.4 step 3: map aliases to canonical keys; reject duplicates, then unknown keys."""
+    given_as: dict[Any, Any] = {}
+    for key in raw:
+        canonical = ALIASES.get(key, key) if isinstance(key, str) else key
+        if canonical in given_as:
+            first, second = sorted((given_as[canonical], key), key=lambda k: k == canonical)
+            raise ValueError(
+                f"duplicate AFD config field for {canonical!r} (given as {first!r} and {second!r}); "
+                "keep only the canonical key"
+            )
+        given_as[canonical] = key
+    for canonical, key in given_as.items():
+        if canonical not in _INPUT_KEYS:
+            raise ValueError(_unknown_field_message(key))
+    return {canonical: raw[key] for canonical, key in given_as.items()}
+
+
+def _unknown_field_message(key: Any) -> str:
+    message = (
+        f"unknown AFD config field {key!r}; connector-specific values belong under "
+        "connector_extra_config"
+    )
+    hint = RUNTIME_ONLY_FIELDS.get(key) if isinstance(key, str) else None
+    if hint is None:
+        close = difflib.get_close_matches(str(key), [*FIELD_NAMES, *ALIASES], n=1)
+        hint = f"did you mean {close[0]!r}?" if close else None
+    if hint is not None:
+        message += f"; {hint}"
+    aliases = ", ".join(f"{alias} -> {name}" for alias, name in ALIASES.items())
+    return f"{message}. Valid fields: {', '.join(FIELD_NAMES)}, async_dp (aliases: {aliases})"
+
+
+def _check_values(values: Mapping[str, Any], *, async_dp: bool, expected_role: str | None) -> None:
+    """§2.4 steps 5-12 on coerced values, stopping at the first failure."""
+    role = values["role"]
+    if role not in ROLES:
+        raise ValueError(f"AFD role must be one of {ROLES}, got {role!r}; set \"role\" to one of them")
+    if expected_role is not None:
+        if expected_role not in ROLES:
+            raise ValueError(f"expected_role must be one of {ROLES} or None, got {expected_role!r}")
+        if role != expected_role:
+            raise ValueError(
+                f"AFD role mismatch: expected {expected_role!r}, got {role!r}; this worker runs the "
+                f"{expected_role} role: set \"role\": {expected_role!r} or remove --worker-cls"
+            )
+    connector = values["connector"]
+    if connector in CAM_CONNECTORS:
+        raise ValueError(
+            f"AFD connector {connector!r} is an Ascend CAM connector and is not supported; use "
+            "'P2pNcclAFDConnector' (CUDA) or 'P2pGlooAFDConnector' (CPU or a single GPU)"
+        )
+    if connector not in CONNECTORS:
+        raise ValueError(
+            f"AFD connector must be one of {CONNECTORS}, got {connector!r}; use 'P2pNcclAFDConnector' "
+            "(CUDA) or 'P2pGlooAFDConnector' (CPU or a single GPU)"
+        )
+    if async_dp:
+        raise ValueError(
+            "AFD async mode requires connector='CAMAsyncAFDConnector', which is not supported; "
+            "remove 'async_dp' or set it to false"
+        )
+    for name in ("num_attention_ranks", "num_ffn_ranks"):
+        if values[name] <= 0:
+            raise ValueError(
+                f"{name} must be positive, got {values[name]}; set it to that role's DP x TP"
+            )
+    num_attention_ranks, num_ffn_ranks = values["num_attention_ranks"], values["num_ffn_ranks"]
+    if num_attention_ranks < num_ffn_ranks:
+        raise ValueError(
+            f"{connector} requires num_attention_ranks >= num_ffn_ranks, got {num_attention_ranks} < "
+            f"{num_ffn_ranks}; every FFN rank needs at least one attention peer"
+        )
+    if not values["host"].strip():
+        raise ValueError(
+            f"AFD host must be non-empty, got {values['host']!r}; set \"host\" to FFN rank 0's address"
+        )
+    if not 1 <= values["port"] <= 65535:
+        raise ValueError(
+            f"AFD port must be in 1..65535, got {values['port']}; pick a free TCP port on FFN rank 0"
+        )
+    for name in ("rendezvous_timeout_s", "step_timeout_s", "peer_timeout_s"):
+        seconds = values[name]
+        if not (math.isfinite(seconds) and seconds > 0):
+            raise ValueError(f"{name} must be positive and finite, got {seconds!r}; pass seconds > 0")
+    check_p2p_extra_config(connector, values["connector_extra_config"])
+
+
+def check_p2p_extra_config(connector: str, raw: Any) -> Mapping[Any, Any]:
+    """§2.4 step 12 for our P2P connectors: ``connector_extra_config`` must be an empty mapping.
+
+    The connectors' ``parse_extra_config`` may delegate here so the rule lives in one place.
+    """
+    if not isinstance(raw, Mapping):
+        raise TypeError(
+            f"P2P connector_extra_config must be a mapping, got {type(raw).__name__}; pass {{}} or "
+            "leave it out"
+        )
+    if raw:
+        raise ValueError(
+            f"{connector} does not support connector_extra_config (got keys "
+            f"{sorted(map(str, raw))}); remove connector_extra_config"
+        )
+    return _FrozenMapping(raw)
+
+
+# --- sources (§2.1): the additional_config mapping, an object carrying it, or None ------------
+
+
+def get_additional_config(src: Any) -> Mapping[Any, Any] | None:
+    """Return ``additional_config`` of ``src`` (a mapping, an object with the attribute, or None)."""
+    if src is None:
+        return None
+    if isinstance(src, Mapping):
+        additional = src
+    else:
+        try:
+            additional = src.additional_config
+        except AttributeError as exc:
+            raise AttributeError(
+                f"AFD config source: {type(src).__name__} has no attribute 'additional_config'; "
+                "expected a VllmConfig, EngineArgs, the additional_config mapping or None"
+            ) from exc
+    if additional is None:
+        return None
+    if not isinstance(additional, Mapping):
+        raise TypeError(
+            f"additional_config must be a mapping, got {type(additional).__name__}; pass "
+            """--additional-config as a JSON object, e.g. '{"afd": {"role": "attention"}}'"""
+        )
+    return additional
+
+
+def has_afd_config(src: Any) -> bool:
+    """True when ``additional_config["afd"]`` is present, valid or not."""
+    additional = get_additional_config(src)
+    return additional is not None and AFD_KEY in additional
+
+
+def parse_afd_config(src: Any, expected_role: str | None = None) -> AFDConfig | None:
+    """The validated config, or None when ``afd`` is absent; a present invalid config raises."""
+    additional = get_additional_config(src)
+    if additional is None or AFD_KEY not in additional:
+        return None
+    return AFDConfig.from_mapping(additional[AFD_KEY], expected_role=expected_role)
+
+
+def is_afd_active(src: Any) -> bool:
+    """True when ``afd`` is present and valid; raises when present and invalid (never deactivates)."""
+    return parse_afd_config(src) is not None
+
+
+def require_afd_config(src: Any, caller: str, expected_role: str | None = None) -> AFDConfig:
+    """Like ``parse_afd_config`` for code that only makes sense under AFD (e.g. an AFD worker class)."""
+    afd_config = parse_afd_config(src, expected_role=expected_role)
+    if afd_config is None:
+        raise ValueError(
+            f'{caller} requires additional_config["afd"]; pass --additional-config '
+            """'{"afd": {"role": ...}}' or drop the AFD-specific setting"""
+        )
+    return afd_config

@@ -1,0 +1,1 @@
+"""AFD connectors: the transport between attention and FFN ranks, and the messages they carry."""

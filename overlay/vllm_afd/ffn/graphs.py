@@ -1,0 +1,54 @@
+"""CUDA graphs of the FFN step, keyed by the attention ranks' published row counts.
+
+The key is per stage the counts exactly as published (attention-rank level, never
+aggregated FFN totals: peer receive shapes are baked into a graph, and aggregated keys
+alias layouts such as 4+4 vs 7+1).  A capture payload for a known key replaces that
+graph (vLLM's graph-memory profiling captures before the real capture).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+
+def graph_key(dp_metadata_list: dict[int, Any]) -> tuple:
+    """((stage_idx, (count, ...)), ...) over sorted stages."""
+    return tuple(
+        (stage_idx, tuple(int(n) for n in dp_metadata_list[stage_idx].num_tokens_across_dp_cpu))
+        for stage_idx in sorted(dp_metadata_list)
+    )
+
+
+class FFNGraphCache:
+    """Recorded FFN steps and the one memory pool they share."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, Any]] = {}
+        self._pool: Any = None
+
+    def has(self, key: tuple) -> bool:
+        return key in self._graphs
+
+    def capture(self, key: tuple, forward: Callable[[], Any]) -> None:
+        """Record `forward` (no connector state update inside) under `key`."""
+        from vllm.distributed.parallel_state import graph_capture
+
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with graph_capture(self.device) as capture_context:
+            with torch.cuda.graph(graph, pool=self._pool, stream=capture_context.stream):
+                output = forward()
+        self._graphs[key] = (graph, output)
+
+    def replay(self, key: tuple) -> Any:
+        graph, output = self._graphs[key]
+        graph.replay()
+        return output
+
+    def clear(self) -> None:
+        self._graphs.clear()
+        self._pool = None

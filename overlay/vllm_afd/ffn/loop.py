@@ -1,0 +1,86 @@
+"""The FFN daemon loop (AFD_SPEC §6.3–6.7): one iteration per attention step.
+
+The loop runs on a daemon thread of the FFN worker process.  Its only unbounded wait is
+the next control payload (an idle attention is legal); the connector's watchdog turns a
+lost peer into an error there.  Any loop error is stored, logged, and takes the worker
+process down after a short grace, so the FFN engine dies within seconds instead of
+serving a dead loop; `stop()` re-raises a stored error chained to the cause.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from typing import Any
+
+from vllm.logger import init_logger
+
+logger = init_logger(__name__)
+
+THREAD_NAME = "afd-ffn-worker-loop"
+JOIN_TIMEOUT_S = 5.0
+# After a loop error the worker asks itself to stop (SIGTERM: vLLM's worker handler
+# shuts down in order), and exits hard if that has not happened after this grace.
+TERMINATE_GRACE_S = 2.0
+
+
+class FFNLoop:
+    """Owns the daemon thread, its stop event and the stored loop error."""
+
+    def __init__(self, runner: Any, *, terminate_on_error: bool = True):
+        self.runner = runner
+        self.terminate_on_error = terminate_on_error
+        self.stop_event = threading.Event()
+        self.error: BaseException | None = None
+        self.num_steps = 0
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._run, name=THREAD_NAME, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self.runner.init_connector()
+            while not self.stop_event.is_set():
+                payload = self.runner.recv_control_payload()
+                if payload is None:  # connector closed by stop()
+                    break
+                self.runner.run_step(payload)
+                self.num_steps += 1
+        except BaseException as exc:  # noqa: BLE001 - stored and re-raised by stop()
+            if self.stop_event.is_set():
+                return  # closing the connector unblocked a receive: not a failure
+            self.error = exc
+            logger.exception("AFD FFN worker loop failed")
+            if self.terminate_on_error:
+                self._terminate_process()
+
+    def _terminate_process(self) -> None:
+        """Bring the FFN engine down: vLLM notices the dead worker and exits."""
+        self.runner.close_connector()
+        os.kill(os.getpid(), signal.SIGTERM)
+        timer = threading.Timer(TERMINATE_GRACE_S, os._exit, args=(1,))
+        timer.daemon = True
+        timer.start()
+
+    def raise_if_failed(self) -> None:
+        if self.error is not None:
+            raise RuntimeError("AFD FFN worker loop failed") from self.error
+
+    def stop(self) -> None:
+        """Set the event, shut the runner down (aborting a blocked receive), join."""
+        self.stop_event.set()
+        try:
+            self.runner.shutdown()
+        finally:
+            thread, self._thread = self._thread, None
+            if thread is not None:
+                thread.join(JOIN_TIMEOUT_S)
+                if thread.is_alive():
+                    logger.error("AFD FFN worker loop did not stop within %.0fs",
+                                 JOIN_TIMEOUT_S)
+        self.raise_if_failed()

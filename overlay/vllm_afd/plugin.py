@@ -1,0 +1,100 @@
+"""The `vllm.general_plugins` entry point: registration only, inert unless AFD is asked for.
+
+vLLM calls `register()` in every process it starts (front end, engine core, workers, the
+model-inspection subprocess), so it must be cheap, idempotent and free of CUDA work.  It
+registers two things through official seams:
+
+* the AFD model aliases (`ModelRegistry.register_model` with lazy "module:Class" strings);
+* a vLLM config hook (patch `config-add-vllm-config-hooks`).  The hook does nothing unless
+  `additional_config["afd"]` is present; then it validates the AFD config, picks the
+  role's worker class while `worker_cls` is still "auto", and applies the role defaults
+  (the FFN's front-end request veto, the attention server's keep-alive on engine death).
+
+Forward-context hooks are never registered here: the attention runner registers its own
+in `__init__` and removes it in `shutdown`, so FFN and non-AFD processes never see one.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING
+
+from vllm_afd.config import parse_afd_config
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+_registered = False
+
+FFN_VETO_MESSAGE = (
+    "This vLLM server runs the AFD FFN role (additional_config.afd.role='ffn') and "
+    "serves no requests; send requests to the AFD attention server (the vllm serve "
+    "started with role 'attention')."
+)
+
+
+def register() -> None:
+    """Entry point: check the installed vLLM is the patched build, then register."""
+    global _registered
+    if _registered:
+        return
+    from vllm.config.vllm import register_vllm_config_hook
+
+    from vllm_afd.models import register_afd_models
+    from vllm_afd.pin import check_installed_vllm
+
+    check_installed_vllm()
+    register_afd_models()
+    register_vllm_config_hook(apply_afd_config)
+    _registered = True
+
+
+def current_platform_name() -> str:
+    """"cuda" or "cpu" for the running vLLM platform; anything else by its device type."""
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cuda():
+        return "cuda"
+    if current_platform.is_cpu():
+        return "cpu"
+    return current_platform.device_type
+
+
+def apply_afd_config(vllm_config: VllmConfig) -> None:
+    """vLLM config hook: called by `VllmConfig.__post_init__` before platform defaults.
+
+    A config hook receives the config under construction to update it, as a platform's
+    `check_and_update_config` does; it may run again on revalidation, so it is idempotent.
+    """
+    afd = parse_afd_config(vllm_config)
+    if afd is None:
+        return
+    from vllm_afd.validation import worker_class_for
+
+    parallel = vllm_config.parallel_config
+    if parallel.worker_cls == "auto":
+        parallel.worker_cls = worker_class_for(current_platform_name(), afd.role)
+    if afd.role == "ffn":
+        _install_ffn_request_veto()
+    else:
+        # NOTE: vLLM keeps the API server up after engine death only with this flag;
+        # an attention server must keep answering /health (503) when the FFN is lost.
+        os.environ.setdefault("VLLM_KEEP_ALIVE_ON_ENGINE_DEATH", "1")
+
+
+_veto_installed = False
+
+
+def _install_ffn_request_veto() -> None:
+    """Make the FFN's generation endpoints answer HTTP 400 pointing to the attention."""
+    global _veto_installed
+    if _veto_installed:
+        return
+    from vllm.entrypoints.openai.request_veto import register_request_veto
+
+    register_request_veto(_veto_ffn_request)
+    _veto_installed = True
+
+
+def _veto_ffn_request(request: object) -> str:
+    return FFN_VETO_MESSAGE

@@ -1,0 +1,154 @@
+"""Worker-start checks (AFD_SPEC §2.5): run in the role worker's `init_device`,
+before the runner or any connector resource exists.
+
+Config-shaped problems raise `ValueError`, runtime-shaped ones `RuntimeError`; every
+message names the field, the value and the fix.  The checks read plain vLLM config
+fields only (no probing): a renamed field fails loudly here, not silently later.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from vllm_afd.config import AFDConfig
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+# Worker classes per (platform, role); the config hook and the stack check share them.
+WORKER_CLASSES: dict[tuple[str, str], str] = {
+    ("cuda", "attention"): "vllm_afd.workers.cuda.AFDAttentionWorker",
+    ("cuda", "ffn"): "vllm_afd.workers.cuda.AFDFFNWorker",
+    ("cpu", "attention"): "vllm_afd.workers.cpu.AFDCPUAttentionWorker",
+    ("cpu", "ffn"): "vllm_afd.workers.cpu.AFDCPUFFNWorker",
+}
+# The platform default worker each AFD worker replaces when `worker_cls` is "auto".
+PLATFORM_DEFAULT_WORKERS: dict[str, str] = {
+    "cuda": "vllm.v1.worker.gpu_worker.Worker",
+    "cpu": "vllm.v1.worker.cpu_worker.CPUWorker",
+}
+GRAPH_MODES = ("eager", "FULL_DECODE_ONLY")
+
+
+def worker_class_for(platform: str, role: str) -> str:
+    """Qualified name of the AFD worker for `platform` ("cuda"/"cpu") and `role`."""
+    try:
+        return WORKER_CLASSES[(platform, role)]
+    except KeyError:
+        raise ValueError(
+            f"AFD automatic worker selection does not support the current platform: "
+            f"{platform!r}; AFD supports CUDA and CPU."
+        ) from None
+
+
+def graph_mode(vllm_config: VllmConfig) -> str:
+    """The AFD graph mode of a config: "eager" or the CUDA-graph mode's name."""
+    from vllm.config import CUDAGraphMode
+
+    mode = vllm_config.compilation_config.cudagraph_mode
+    if vllm_config.model_config.enforce_eager or mode in (None, CUDAGraphMode.NONE):
+        return "eager"
+    return mode.name
+
+
+def check_worker_stack(worker_cls: object, platform: str, role: str) -> None:
+    """The worker class the engine chose must be this role's AFD worker."""
+    if not isinstance(worker_cls, str):
+        raise ValueError(
+            f"parallel_config.worker_cls must be a qualname string, got {worker_cls!r}; "
+            "pass --worker-cls as a dotted class name or leave it 'auto'."
+        )
+    if worker_cls == "auto":
+        raise RuntimeError(
+            "parallel_config.worker_cls remained 'auto' after AFD config normalization; "
+            "install the AFD overlay (pip install vllm-afd) so its plugin loads before "
+            "VllmConfig is created, and install the patched vLLM build."
+        )
+    expected = worker_class_for(platform, role)
+    if worker_cls != expected:
+        raise ValueError(
+            f"invalid worker class for AFD runtime stack: got={worker_cls} "
+            f"expected={expected}; remove --worker-cls or pass --worker-cls {expected}."
+        )
+
+
+def _require_size_one(field: str, value: int) -> None:
+    if value != 1:
+        raise ValueError(
+            f"AFD requires pipeline/prefill-context/decode-context parallel size 1, got "
+            f"{field}={value}; set it to 1 on both roles."
+        )
+
+
+def _reject(feature: str, flag: str) -> None:
+    raise ValueError(f"AFD does not support {feature}; disable {flag}.")
+
+
+def check_features(vllm_config: VllmConfig, afd: AFDConfig, platform: str) -> None:
+    """The feature rules of AFD_SPEC §2.5 (both roles unless noted)."""
+    parallel = vllm_config.parallel_config
+    role = afd.role
+
+    if afd.connector == "P2pNcclAFDConnector" and platform != "cuda":
+        raise ValueError(
+            "P2pNcclAFDConnector requires CUDA devices; use P2pGlooAFDConnector on CPU."
+        )
+    mode = graph_mode(vllm_config)
+    if mode != "eager" and afd.connector == "P2pGlooAFDConnector":
+        raise ValueError(
+            "P2pGlooAFDConnector cannot be captured in CUDA graphs; pass --enforce-eager "
+            "or use P2pNcclAFDConnector."
+        )
+    if mode not in GRAPH_MODES:
+        raise ValueError(
+            f"AFD only supports CUDA graph mode FULL_DECODE_ONLY for {role}; got {mode!r}. "
+            "Pass --enforce-eager or --compilation-config "
+            '\'{"cudagraph_mode": "FULL_DECODE_ONLY"}\' identically on both roles.'
+        )
+    if parallel.enable_dbo or parallel.ubatch_size > 1:
+        raise ValueError(
+            "AFD does not support dual-batch overlap / microbatching yet; remove "
+            "--enable-dbo / ubatch settings."
+        )
+    _require_size_one("pipeline_parallel_size", parallel.pipeline_parallel_size)
+    _require_size_one("prefill_context_parallel_size", parallel.prefill_context_parallel_size)
+    _require_size_one("decode_context_parallel_size", parallel.decode_context_parallel_size)
+
+    num_role_ranks = parallel.data_parallel_size * parallel.tensor_parallel_size
+    expected = afd.num_attention_ranks if role == "attention" else afd.num_ffn_ranks
+    field = "num_attention_ranks" if role == "attention" else "num_ffn_ranks"
+    if num_role_ranks != expected:
+        raise ValueError(
+            f"{field} ({expected}) must equal {role} DP x TP "
+            f"({parallel.data_parallel_size} x {parallel.tensor_parallel_size}); "
+            f"set {field} to {num_role_ranks} or change --data-parallel-size / "
+            "--tensor-parallel-size."
+        )
+
+    if parallel.enable_eplb:
+        _reject("expert-parallel load balancing (EPLB)", "--enable-eplb")
+    if parallel.enable_elastic_ep:
+        _reject("elastic expert parallelism", "--enable-elastic-ep")
+    if parallel.use_sequence_parallel_moe:
+        _reject("sequence-parallel MoE", "sequence parallelism for MoE")
+    if vllm_config.compilation_config.pass_config.enable_sp:
+        _reject("compile-time sequence parallelism", "pass_config.enable_sp")
+    if vllm_config.speculative_config is not None:
+        _reject("speculative decoding", "--speculative-config")
+    if vllm_config.lora_config is not None:
+        _reject("LoRA", "--enable-lora")
+
+    check_cpu_mla(vllm_config, role, platform)
+
+
+def check_cpu_mla(vllm_config: VllmConfig, role: str, platform: str) -> None:
+    """vLLM's CPU MLA backend serves only a 512 + 64 latent (AFD_SPEC §7.7)."""
+    model_config = vllm_config.model_config
+    if platform != "cpu" or role != "attention" or not model_config.use_mla:
+        return
+    hf = model_config.hf_text_config
+    if (hf.kv_lora_rank, hf.qk_rope_head_dim) != (512, 64):
+        raise ValueError(
+            "vLLM's CPU MLA backend needs kv_lora_rank=512 and qk_rope_head_dim=64 "
+            f"(model: {hf.kv_lora_rank}, {hf.qk_rope_head_dim}); set VLLM_MLA_DISABLE=1."
+        )

@@ -1,0 +1,39 @@
+"""CPU role workers: `CPUWorker` subclasses for the attention and FFN roles."""
+
+from __future__ import annotations
+
+import torch
+from vllm.v1.worker.cpu_worker import CPUWorker
+
+from vllm_afd.ffn.worker import FFNWorkerMixin
+from vllm_afd.workers.common import check_worker_start, make_role_vllm_config
+
+
+class AFDCPUAttentionWorker(CPUWorker):
+    """Native CPU worker whose runner is the AFD attention runner (V1 runner on CPU)."""
+
+    def init_device(self) -> None:
+        self.afd_config = check_worker_start(self.vllm_config, type(self).__name__,
+                                             "attention", "cpu")
+        super().init_device()
+
+    def _make_model_runner(self):
+        from vllm_afd.attention.cpu_runner import AFDCPUAttentionModelRunner
+
+        return AFDCPUAttentionModelRunner(make_role_vllm_config(self.vllm_config),
+                                          torch.device("cpu"))
+
+
+class AFDCPUFFNWorker(FFNWorkerMixin, CPUWorker):
+    """Native CPU worker turned into a connector-driven FFN daemon host."""
+
+    def init_device(self) -> None:
+        self.afd_config = check_worker_start(self.vllm_config, type(self).__name__,
+                                             "ffn", "cpu")
+        super().init_device()
+
+    def _make_model_runner(self):
+        from vllm_afd.ffn.runner import AFDFFNModelRunner
+
+        return AFDFFNModelRunner(make_role_vllm_config(self.vllm_config),
+                                 torch.device("cpu"))

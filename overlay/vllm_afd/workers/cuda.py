@@ -1,0 +1,40 @@
+"""CUDA role workers: `Worker` subclasses for the attention (Model Runner V2) and FFN roles."""
+
+from __future__ import annotations
+
+from vllm.v1.worker.gpu_worker import Worker
+
+from vllm_afd.ffn.worker import FFNWorkerMixin
+from vllm_afd.workers.common import check_worker_start, make_role_vllm_config
+
+
+class AFDAttentionWorker(Worker):
+    """Native GPU worker whose runner is the AFD subclass of Model Runner V2."""
+
+    def init_device(self) -> None:
+        self.afd_config = check_worker_start(self.vllm_config, type(self).__name__,
+                                             "attention", "cuda")
+        if not self.use_v2_model_runner:
+            raise ValueError(
+                "AFD on CUDA requires Model Runner V2; unset VLLM_USE_V2_MODEL_RUNNER=0."
+            )
+        super().init_device()
+
+    def _make_model_runner(self):
+        from vllm_afd.attention.runner import AFDAttentionModelRunner
+
+        return AFDAttentionModelRunner(make_role_vllm_config(self.vllm_config), self.device)
+
+
+class AFDFFNWorker(FFNWorkerMixin, Worker):
+    """Native GPU worker turned into a connector-driven FFN daemon host."""
+
+    def init_device(self) -> None:
+        self.afd_config = check_worker_start(self.vllm_config, type(self).__name__,
+                                             "ffn", "cuda")
+        super().init_device()
+
+    def _make_model_runner(self):
+        from vllm_afd.ffn.runner import AFDFFNModelRunner
+
+        return AFDFFNModelRunner(make_role_vllm_config(self.vllm_config), self.device)
