@@ -94,11 +94,12 @@ class _FrozenMapping(Mapping):
     def __repr__(self) -> str:
         return repr(self._data)
 
-    def __getstate__(self) -> dict[Any, Any]:
-        return self._data
+    # NOTE: a tuple, because pickle skips __setstate__ for a false state such as an empty dict.
+    def __getstate__(self) -> tuple[dict[Any, Any]]:
+        return (self._data,)
 
-    def __setstate__(self, state: dict[Any, Any]) -> None:
-        self._data = state
+    def __setstate__(self, state: tuple[dict[Any, Any]]) -> None:
+        (self._data,) = state
 
 
 # --- coercion (§2.3): every failure is a TypeError naming the field and the value -------------
@@ -292,7 +293,7 @@ def _unknown_field_message(key: Any) -> str:
     hint = RUNTIME_ONLY_FIELDS.get(key) if isinstance(key, str) else None
     if hint is None:
         close = difflib.get_close_matches(str(key), [*FIELD_NAMES, *ALIASES], n=1)
-        hint = f"did you mean {close[0]!r}?" if close else None
+        hint = f"did you mean {close[0]!r}" if close else None
     if hint is not None:
         message += f"; {hint}"
     aliases = ", ".join(f"{alias} -> {name}" for alias, name in ALIASES.items())

@@ -90,7 +90,7 @@ def _install_ffn_request_veto() -> None:
     global _veto_installed
     if _veto_installed:
         return
-    from vllm.entrypoints.openai.request_veto import register_request_veto
+    from vllm.entrypoints.serve.engine.serving import register_request_veto
 
     register_request_veto(_veto_ffn_request)
     _veto_installed = True

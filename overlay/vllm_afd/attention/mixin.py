@@ -56,8 +56,8 @@ class AFDAttentionRunnerMixin:
 
     # ---- lifecycle ----------------------------------------------------------------
     def load_model(self, *args: Any, **kwargs: Any) -> None:
-        super().load_model(*args, **kwargs)
         register_afd_ops()
+        super().load_model(*args, **kwargs)
         self.afd_connector.init_afd_connector()
 
     def profile_run(self, *args: Any, **kwargs: Any) -> None:
@@ -89,7 +89,12 @@ class AFDAttentionRunnerMixin:
         self.afd_connector.check_failed()
         output = super().execute_model(*args, **kwargs)
         self.afd_connector.check_failed()
+        self.afd_connector.control_plane.mark_step_done()
         return output
+
+    def afd_mark_startup_done(self) -> None:
+        """Arm the step timeouts: profile, warm-up and graph capture are over."""
+        self.afd_connector.control_plane.mark_startup_done()
 
     def sample_tokens(self, *args: Any, **kwargs: Any) -> Any:
         self.afd_connector.check_failed()

@@ -92,6 +92,7 @@ class AFDFFNModelRunner:
                 self.execute_model(payload)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)  # errors surface in this step
+        self.connector.control_plane.mark_step_done()
 
     def execute_model(self, payload: Any) -> torch.Tensor | None:
         if not payload.dp_metadata_list:

@@ -23,6 +23,11 @@ class AFDCPUAttentionWorker(CPUWorker):
         return AFDCPUAttentionModelRunner(make_role_vllm_config(self.vllm_config),
                                           torch.device("cpu"))
 
+    def compile_or_warm_up_model(self):
+        times = super().compile_or_warm_up_model()
+        self.model_runner.afd_mark_startup_done()
+        return times
+
 
 class AFDCPUFFNWorker(FFNWorkerMixin, CPUWorker):
     """Native CPU worker turned into a connector-driven FFN daemon host."""

@@ -25,6 +25,11 @@ class AFDAttentionWorker(Worker):
 
         return AFDAttentionModelRunner(make_role_vllm_config(self.vllm_config), self.device)
 
+    def compile_or_warm_up_model(self):
+        times = super().compile_or_warm_up_model()
+        self.model_runner.afd_mark_startup_done()
+        return times
+
 
 class AFDFFNWorker(FFNWorkerMixin, Worker):
     """Native GPU worker turned into a connector-driven FFN daemon host."""

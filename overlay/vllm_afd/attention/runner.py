@@ -1,0 +1,59 @@
+"""The attention runner on CUDA: vLLM's Model Runner V2 plus the AFD mixin.
+
+Be paranoid about changing this class, and even more about adding lines to it: it only
+routes vLLM's own seams to AFD modules.  Model Runner V2 replays FULL CUDA graphs with no
+forward context, so the control payload is published from the per-step hook
+`before_model_forward` (patch `mrv2-add-before-model-forward`), which runs once per
+executed step, eager or replay, dummy and profile steps included; capture forwards
+publish from the graph manager's capture hook (capture.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm.config import CUDAGraphMode
+from vllm.forward_context import ForwardContext
+from vllm.v1.worker.gpu.model_runner import GPUModelRunner
+
+from vllm_afd.attention.capture import bind_cudagraph_manager
+from vllm_afd.attention.mixin import AFDAttentionRunnerMixin
+
+
+class AFDAttentionModelRunner(AFDAttentionRunnerMixin, GPUModelRunner):
+    """Model Runner V2 whose model is the attention half."""
+
+    afd_publishes_per_step = True
+
+    def __init__(self, vllm_config: Any, device: Any):
+        super().__init__(vllm_config, device)
+        self._afd_cudagraph_manager_cls = bind_cudagraph_manager(self)
+
+    @property
+    def cudagraph_manager_cls(self) -> type:
+        return self._afd_cudagraph_manager_cls
+
+    def before_model_forward(self, batch_desc: Any, input_batch: Any, dp_sync: Any,
+                             ubatch_state: Any) -> None:
+        super().before_model_forward(batch_desc, input_batch, dp_sync, ubatch_state)
+        self.afd_connector.control_plane.send_dp_metadata(
+            {0: self._afd_step_counts(batch_desc, dp_sync)},
+            is_graph_replaying=batch_desc.cg_mode == CUDAGraphMode.FULL,
+            is_profile=self._afd_in_profile,
+        )
+
+    def _afd_step_counts(self, batch_desc: Any, dp_sync: Any) -> list[int]:
+        """Rows per attention DP rank for this step, as every rank will send them."""
+        if self.vllm_config.parallel_config.data_parallel_size == 1:
+            return [batch_desc.num_tokens]
+        if dp_sync is None:
+            raise RuntimeError("AFD expected vLLM DPMetadata for attention DP > 1")
+        counts = [int(n) for n in dp_sync.num_tokens_across_dp.tolist()]
+        own = counts[self.afd_dp_rank]
+        assert own == batch_desc.num_tokens, (
+            f"AFD: DP sync says this rank runs {own} tokens, the batch {batch_desc.num_tokens}")
+        return counts
+
+    def _afd_context_runs_model(self, context: ForwardContext) -> bool:
+        # KV-connector and other side contexts carry no batch descriptor (AFD_SPEC §5.4).
+        return context.batch_descriptor is not None

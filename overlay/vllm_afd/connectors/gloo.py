@@ -1,0 +1,115 @@
+"""``P2pGlooAFDConnector``: the AFD protocol over gloo groups from the shared store (AFD_SPEC.md §4.7).
+
+Every tensor crosses as a ``uint8`` view of a contiguous CPU tensor, so gloo's dtype support does not
+matter (bf16 included); CUDA tensors are staged through host memory and copied back. Host-synchronous,
+hence eager only: the CPU path and both roles on one GPU. A dead peer closes its TCP connections, so
+a receive from it fails at once; the watchdog covers a peer that hangs. gloo cannot interrupt a
+blocked receive of its own process, so ``close()`` leaves it to the peer's exit or the watchdog's
+termination fallback.
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any
+
+import torch
+
+from vllm_afd.connectors.channels import A2E, CONTROL, E2A, ChannelPlan, P2pSettings, P2pTransport
+from vllm_afd.connectors.protocol import P2pAFDConnector
+
+__all__ = ["GlooTransport", "P2pGlooAFDConnector"]
+
+# Native timeout of every gloo operation once the groups exist. The watchdog enforces steps; the FFN's
+# wait for the next payload is legally unbounded, so this only has to outlast any idle period.
+GLOO_OP_TIMEOUT = datetime.timedelta(days=365)
+
+
+def _bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """The uint8 view of a contiguous CPU tensor (gloo moves bytes; bf16 and fp8 included)."""
+    return tensor.reshape(-1).view(torch.uint8)
+
+
+class GlooTransport(P2pTransport):
+    """Three gloo groups (a2e, e2a, ctrl) built directly on ``PrefixStore``s of the AFD store.
+
+    NOTE: ``ProcessGroupGloo`` objects are built without ``init_process_group``: they never become
+    torch's default group and never enter its global rank maps (§3.6).
+    """
+
+    control_device = torch.device("cpu")
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._groups: dict[str, Any] = {}
+        # Host staging buffers for non-CPU tensors, by (nbytes, pinned): reused across exchanges.
+        self._staging: dict[int, torch.Tensor] = {}
+
+    def open(self, store: Any, plan: ChannelPlan, timeout_s: float) -> None:
+        from torch.distributed import PrefixStore, ProcessGroupGloo
+
+        timeout = datetime.timedelta(seconds=timeout_s)
+        channels = [
+            (A2E, f"afd/{A2E}/{plan.subgroup}", plan.subgroup_rank, plan.subgroup_size),
+            (E2A, f"afd/{E2A}/{plan.subgroup}", plan.subgroup_rank, plan.subgroup_size),
+        ]
+        if plan.control_rank is not None:
+            channels.append((CONTROL, f"afd/{CONTROL}", plan.control_rank, plan.control_size))
+        for name, prefix, rank, size in channels:
+            # Creation is bounded by what is left of the rendezvous; traffic by GLOO_OP_TIMEOUT.
+            group = ProcessGroupGloo(PrefixStore(prefix, store), rank, size, timeout)
+            group.set_timeout(GLOO_OP_TIMEOUT)
+            self._groups[name] = group
+
+    def send(self, channel: str, tensor: torch.Tensor, dst: int) -> None:
+        host = tensor if tensor.device.type == "cpu" else tensor.to("cpu")
+        self._group(channel).send([_bytes(host.contiguous())], dst, 0).wait()
+
+    def recv(self, channel: str, tensor: torch.Tensor, src: int) -> int:
+        direct = tensor.device.type == "cpu" and tensor.is_contiguous()
+        staging = tensor if direct else self._staging_for(tensor)
+        self._group(channel).recv([_bytes(staging)], src, 0).wait()
+        if not direct:
+            tensor.copy_(staging)
+        return src
+
+    def abort(self) -> None:
+        for group in list(self._groups.values()):
+            group.abort()
+
+    def close(self) -> None:
+        # NOTE: groups are shut down, not dropped: a thread still blocked in a receive keeps using them.
+        for group in list(self._groups.values()):
+            group.shutdown()
+
+    def _group(self, channel: str) -> Any:
+        try:
+            return self._groups[channel]
+        except KeyError:
+            raise RuntimeError(
+                f"P2pGlooAFDConnector: the AFD {channel} group is missing (groups: {sorted(self._groups)}); "
+                "expected init_afd_connector() to have created it. Only attention ranks < "
+                "num_ffn_ranks and FFN ranks join the control group"
+            ) from None
+
+    def _staging_for(self, tensor: torch.Tensor) -> torch.Tensor:
+        nbytes = tensor.numel() * tensor.element_size()
+        buffer = self._staging.get(nbytes)
+        if buffer is None:
+            pinned = tensor.device.type == "cuda"
+            buffer = self._staging[nbytes] = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
+        return buffer.view(tensor.dtype).view(tensor.shape)
+
+
+class P2pGlooAFDConnector(P2pAFDConnector):
+    """The P2P protocol over gloo; CPU tensors directly, CUDA tensors through host staging."""
+
+    @classmethod
+    def make_device(cls, vllm_config: Any, local_rank: int) -> torch.device:
+        if vllm_config.device_config.device_type == "cuda":
+            return torch.device("cuda", local_rank)
+        return torch.device("cpu")
+
+    @classmethod
+    def make_transport(cls, settings: P2pSettings) -> P2pTransport:
+        return GlooTransport(settings.device)

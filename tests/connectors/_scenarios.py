@@ -1,0 +1,150 @@
+"""Rank bodies for the multi-process connector tests (top-level, so ``spawn`` can import them).
+
+The data is deterministic small integers, exact in bf16: attention rank j sends ``hidden(j, step,
+layer, stage)``; the FFN answers ``2 * hidden + layer (+ row sums of the router logits)``, so every
+attention rank can check its own result bit for bit, which proves the FFN split the fan-in right.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import torch
+from _harness import HIDDEN_SIZE, NUM_EXPERTS, make_protocol, make_settings
+
+from vllm_afd.connectors.metadata import AFDExpertRoutingSpec, AFDTransferContext, AFDTransferMetadata
+
+LAYER_KINDS = "DMMM"
+
+
+def crossing_layers(gate_on_attention: bool) -> list[int]:
+    return [i for i, kind in enumerate(LAYER_KINDS) if kind == "M" or not gate_on_attention]
+
+
+def step_counts(step: int, stage: int, num_attention: int) -> list[int]:
+    """Published DP counts of one stage; zeros (idle ranks) included on purpose."""
+    return [(step * 5 + rank * 3 + stage) % 4 for rank in range(num_attention)]
+
+
+def make_hidden(rank: int, step: int, layer: int, stage: int, num_rows: int, dtype: torch.dtype) -> torch.Tensor:
+    values = (torch.arange(num_rows * HIDDEN_SIZE) + rank * 7 + step * 3 + layer * 5 + stage) % 13 - 6
+    return values.reshape(num_rows, HIDDEN_SIZE).to(dtype)
+
+
+def make_logits(rank: int, step: int, layer: int, num_rows: int) -> torch.Tensor:
+    values = (torch.arange(num_rows * NUM_EXPERTS) + rank + step + layer) % 5
+    return values.reshape(num_rows, NUM_EXPERTS).to(torch.float32)
+
+
+def ffn_compute(hidden: torch.Tensor, logits: torch.Tensor | None, layer: int) -> torch.Tensor:
+    out = hidden * 2 + layer
+    if logits is not None:
+        out = out + logits.sum(dim=-1, keepdim=True).to(hidden.dtype)
+    return out
+
+
+def exchange(role: str, rank: int, num_attention: int, num_ffn: int, port: int, dtype_name: str,
+             num_steps: int, gate: bool = False, num_stages: int = 1, probe_errors: bool = False) -> dict[str, Any]:
+    """One rank of a full run: ``num_steps`` payloads, each followed by every crossing layer's exchanges."""
+    dtype = getattr(torch, dtype_name)
+    layers = crossing_layers(gate)
+    settings = make_settings(role, rank, num_attention, num_ffn, port, dtype=dtype, compute_gate_on_attention=gate,
+                             exchanges_per_stage=len(layers))
+    protocol = make_protocol(settings)
+    started = time.monotonic()
+    protocol.init()
+    protocol.init()  # idempotent
+    errors: list[str] = []
+    payloads: list[dict[str, Any]] = []
+    for step in range(num_steps):
+        stages = {stage: step_counts(step, stage, num_attention) for stage in range(num_stages)}
+        if role == "attention":
+            protocol.send_dp_metadata(stages, is_profile=step == 0, is_warmup=step == 1)
+        else:
+            payload = protocol.recv_dp_metadata_list()
+            protocol.update_state_from_dp_metadata(payload)
+            payloads.append({"step_seq": payload.step_seq, "is_profile": payload.is_profile,
+                             "is_warmup": payload.is_warmup,
+                             "stages": {k: list(v.num_tokens_across_dp_cpu) for k, v in payload.dp_metadata_list.items()}})
+        for layer in layers:
+            for stage in range(num_stages):
+                if role == "attention":
+                    _attention_exchange(protocol, rank, step, layer, stage, stages[stage], dtype, gate,
+                                        probe_errors and step == 0 and not errors, errors)
+                else:
+                    _ffn_exchange(protocol, layer, stage, gate)
+    protocol.close()
+    protocol.close()
+    return {"elapsed_s": time.monotonic() - started, "payloads": payloads, "errors": errors,
+            "initialized_after_close": protocol.is_initialized}
+
+
+def _attention_exchange(protocol: Any, rank: int, step: int, layer: int, stage: int, counts: list[int],
+                        dtype: torch.dtype, gate: bool, probe: bool, errors: list[str]) -> None:
+    num_rows = max(1, counts[rank])
+    hidden = make_hidden(rank, step, layer, stage, num_rows, dtype)
+    logits = make_logits(rank, step, layer, num_rows) if gate else None
+    if probe:  # wrong rows must raise before anything reaches the wire
+        wrong = make_hidden(rank, step, layer, stage, num_rows + 1, dtype)
+        context = AFDTransferContext(AFDTransferMetadata.create_attention_metadata(layer, stage, num_rows + 1))
+        for bad_hidden, bad_logits in ((wrong, None), (hidden, make_logits(rank, step, layer, num_rows + 1))):
+            try:
+                protocol.send_attn_output(bad_hidden, context if bad_logits is None else
+                                          AFDTransferContext(AFDTransferMetadata.create_attention_metadata(
+                                              layer, stage, num_rows)), bad_logits if gate else None)
+            except ValueError as exc:
+                errors.append(str(exc))
+    context = AFDTransferContext(AFDTransferMetadata.create_attention_metadata(layer, stage, num_rows))
+    protocol.send_attn_output(hidden, context, logits)
+    expected = ffn_compute(hidden, logits, layer)
+    out = protocol.recv_ffn_output(hidden, stage)
+    assert out.data_ptr() == hidden.data_ptr(), "the result must land in ref_tensor"
+    assert torch.equal(out, expected), f"rank {rank} step {step} layer {layer}: wrong FFN result"
+
+
+def _ffn_exchange(protocol: Any, layer: int, stage: int, gate: bool) -> None:
+    spec = AFDExpertRoutingSpec(NUM_EXPERTS, torch.float32) if gate else None
+    received = protocol.recv_attn_output(stage, spec)
+    assert (received.router_logits is not None) == gate
+    received.context.metadata.layer_idx = layer
+    protocol.send_ffn_output(ffn_compute(received.hidden_states, received.router_logits, layer), received.context)
+
+
+def exchange_then_die(role: str, rank: int, port: int, peer_timeout_s: float) -> dict[str, Any]:
+    """1A1F: the FFN serves one step, then exits mid-step (after receiving); the attention times its error."""
+    settings = make_settings(role, rank, 1, 1, port, peer_timeout_s=peer_timeout_s, exchanges_per_stage=4)
+    protocol = make_protocol(settings)
+    protocol.init()
+    if role == "ffn":
+        for step in range(2):
+            payload = protocol.recv_dp_metadata_list()
+            protocol.update_state_from_dp_metadata(payload)
+            for layer in range(4):
+                received = protocol.recv_attn_output(0)
+                if step == 1 and layer == 1:
+                    os._exit(3)  # dies holding the attention's layer-1 request
+                protocol.send_ffn_output(ffn_compute(received.hidden_states, None, layer), received.context)
+        return {}
+    failed_at = None
+    try:
+        for step in range(2):
+            protocol.send_dp_metadata({0: [3]})
+            for layer in range(4):
+                hidden = make_hidden(rank, step, layer, 0, 3, torch.bfloat16)
+                context = AFDTransferContext(AFDTransferMetadata.create_attention_metadata(layer, 0, 3))
+                protocol.send_attn_output(hidden, context)
+                failed_at = time.monotonic()
+                protocol.recv_ffn_output(hidden)
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        first = f"{type(exc).__name__}: {exc}"
+        elapsed = time.monotonic() - failed_at if failed_at else None
+        try:
+            protocol.check_failed()
+            sticky = None
+        except Exception as again:  # noqa: BLE001
+            sticky = type(again).__name__
+        protocol.close()
+        return {"error": first, "elapsed_s": elapsed, "sticky": sticky}
+    return {"error": None}

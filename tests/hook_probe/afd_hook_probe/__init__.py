@@ -1,0 +1,117 @@
+"""Test-only vLLM general plugin that records when the patch series' hooks fire.
+
+vLLM loads it through the `vllm.general_plugins` entry point in every process (front
+end, engine core, workers, the model-inspection subprocess). It does nothing unless
+`AFD_HOOK_PROBE_OUT=<dir>` is set; then it registers a VllmConfig hook, a forward-context
+hook and (when `AFD_HOOK_PROBE_VETO=<message>` is set) a request veto, and every hook
+appends one JSON line per call to `<dir>/events-<pid>.jsonl`. Tests read those files
+(see `read_events`) and compare counts. The probe's workers and runners live in
+`afd_hook_probe.workers` / `afd_hook_probe.mrv2`; the config hook selects them only
+while `parallel_config.worker_cls` is still "auto".
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+OUT_ENV = "AFD_HOOK_PROBE_OUT"
+VETO_ENV = "AFD_HOOK_PROBE_VETO"
+CPU_WORKER = "afd_hook_probe.workers.ProbeCPUWorker"
+GPU_WORKER = "afd_hook_probe.workers.ProbeGPUWorker"
+
+_installed_pid: int | None = None  # pid that ran install(); spawn children start at None
+
+
+def is_active() -> bool:
+    """Whether the probe should record anything in this process."""
+    return bool(os.environ.get(OUT_ENV))
+
+
+def record(event: str, **fields: Any) -> None:
+    """Append one event line to this process's file; no-op when the probe is inactive."""
+    out = os.environ.get(OUT_ENV)
+    if not out:
+        return
+    line = {"event": event, "pid": os.getpid(), **fields}
+    path = Path(out) / f"events-{os.getpid()}.jsonl"
+    with path.open("a", encoding="utf-8") as f:
+        f.write(json.dumps(line, sort_keys=True) + "\n")
+
+
+def read_events(out_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """All events written under `out_dir`, file by file, in write order."""
+    events: list[dict[str, Any]] = []
+    for path in sorted(Path(out_dir).glob("events-*.jsonl")):
+        events += [json.loads(x) for x in path.read_text(encoding="utf-8").splitlines() if x]
+    return events
+
+
+def register() -> None:
+    """`vllm.general_plugins` entry point: install the hooks when the probe is active."""
+    if is_active():
+        install()
+
+
+def install() -> None:
+    """Register the probe's hooks once per process (also called by the probe workers)."""
+    global _installed_pid
+    if _installed_pid == os.getpid():
+        return
+    _installed_pid = os.getpid()
+    from vllm.config.vllm import register_vllm_config_hook
+    from vllm.forward_context import register_forward_context_hook
+
+    record(
+        "process",
+        process_name=multiprocessing.current_process().name,
+        argv=sys.argv[:3],
+        ppid=os.getppid(),
+    )
+    register_vllm_config_hook(_on_vllm_config)
+    register_forward_context_hook(_on_forward_context)
+    message = os.environ.get(VETO_ENV)
+    if message:
+        from vllm.entrypoints.serve.engine.serving import register_request_veto
+
+        def veto(request: Any) -> str:
+            record("veto", request_type=type(request).__name__)
+            return message
+
+        register_request_veto(veto)
+
+
+def _on_vllm_config(vllm_config: Any) -> None:
+    """Pick the probe worker while the platform default is still unresolved."""
+    from vllm.platforms import current_platform
+
+    parallel_config = vllm_config.parallel_config
+    worker_cls_before = parallel_config.worker_cls
+    if worker_cls_before == "auto" and current_platform.is_cpu():
+        parallel_config.worker_cls = CPU_WORKER
+    elif worker_cls_before == "auto" and current_platform.is_cuda():
+        parallel_config.worker_cls = GPU_WORKER
+    record(
+        "config_hook",
+        worker_cls_before=str(worker_cls_before),
+        worker_cls_after=str(parallel_config.worker_cls),
+    )
+
+
+def _on_forward_context(forward_context: Any) -> None:
+    record(
+        "forward_context",
+        has_batch_descriptor=forward_context.batch_descriptor is not None,
+        capturing=is_capturing(),
+    )
+
+
+def is_capturing() -> bool:
+    """Whether the current CUDA stream is capturing a graph (False without CUDA)."""
+    import torch
+
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()

@@ -1,0 +1,169 @@
+"""Contract tests of the worker and Model Runner V2 seams on the patched pinned source.
+
+They read the patched files with `ast` (no vLLM import), so they run without vLLM
+installed and fail if a refresh moves a hook to a place where it no longer holds its
+promise: FULL replay outside any forward context, `before_model_forward` ahead of both
+forward branches, capture hooks outside `torch.cuda.graph`, twice per descriptor.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+from hook_ast import call_sites, find_def, param_names, parse
+
+pytestmark = pytest.mark.wheel
+
+GPU_WORKER = "vllm/v1/worker/gpu_worker.py"
+CPU_WORKER = "vllm/v1/worker/cpu_worker.py"
+MRV2 = "vllm/v1/worker/gpu/model_runner.py"
+CUDAGRAPH = "vllm/v1/worker/gpu/cudagraph_utils.py"
+
+
+@pytest.mark.parametrize(
+    ("relpath", "worker", "runner_classes"),
+    [
+        (GPU_WORKER, "Worker", {"GPUModelRunnerV1", "GPUModelRunnerV2"}),
+        (CPU_WORKER, "CPUWorker", {"CPUModelRunner", "CPUModelRunnerV2"}),
+    ],
+)
+def test_init_device_builds_the_runner_only_through_make_model_runner(
+    pinned_tree: Path, relpath: str, worker: str, runner_classes: set[str]
+) -> None:
+    module = parse(pinned_tree, relpath)
+
+    factory = find_def(module, f"{worker}._make_model_runner")
+    init_device = find_def(module, f"{worker}.init_device")
+
+    assert param_names(factory) == ["self"]
+    assert len(call_sites(init_device, "_make_model_runner")) == 1
+    built_in_init = {
+        name for name in runner_classes if call_sites(init_device, name)
+    }
+    assert built_in_init == set()
+    built_in_factory = {name for name in runner_classes if call_sites(factory, name)}
+    assert built_in_factory == runner_classes
+
+
+def test_gpu_factory_keeps_the_upstream_lazy_imports(pinned_tree: Path) -> None:
+    factory = find_def(parse(pinned_tree, GPU_WORKER), "Worker._make_model_runner")
+
+    imported = {
+        node.module for node in ast.walk(factory) if isinstance(node, ast.ImportFrom)
+    }
+
+    assert imported == {
+        "vllm.v1.worker.mm_encoder_model_runner",
+        "vllm.v1.worker.gpu.model_runner",
+        "vllm.v1.worker.gpu_model_runner",
+    }
+
+
+def test_gpu_factory_runs_after_the_workspace_manager_exists(pinned_tree: Path) -> None:
+    init_device = find_def(parse(pinned_tree, GPU_WORKER), "Worker.init_device")
+
+    workspace = call_sites(init_device, "init_workspace_manager")
+    factory = call_sites(init_device, "_make_model_runner")
+
+    assert len(workspace) == 1
+    assert workspace[0].line < factory[0].line
+
+
+def test_before_model_forward_signature(pinned_tree: Path) -> None:
+    hook = find_def(parse(pinned_tree, MRV2), "GPUModelRunner.before_model_forward")
+
+    assert param_names(hook) == ["self", "batch_desc", "input_batch", "dp_sync", "ubatch_state"]
+    assert ast.unparse(hook.returns) == "None"
+    assert ast.get_docstring(hook)
+    assert len(hook.body) == 1, "the default must do nothing but document itself"
+
+
+def test_full_replay_runs_outside_any_forward_context(pinned_tree: Path) -> None:
+    execute = find_def(parse(pinned_tree, MRV2), "GPUModelRunner.execute_model")
+
+    replays = call_sites(execute, "run_fullgraph")
+
+    assert len(replays) == 1
+    assert not any("set_forward_context" in w for w in replays[0].withs)
+
+
+def test_before_model_forward_precedes_both_forward_branches(pinned_tree: Path) -> None:
+    execute = find_def(parse(pinned_tree, MRV2), "GPUModelRunner.execute_model")
+
+    hooks = call_sites(execute, "before_model_forward")
+    eplb = call_sites(execute, "prepare_forward")
+    record_batch = call_sites(execute, "record_batch")
+    replay = call_sites(execute, "run_fullgraph")
+    contexts = call_sites(execute, "set_forward_context")
+
+    assert len(hooks) == 1
+    hook = hooks[0]
+    assert hook.withs == () and hook.ifs == (), "the hook must run unconditionally, outside any with"
+    assert [ast.unparse(a) for a in hook.call.args] == [
+        "batch_desc", "input_batch", "dp_sync", "ubatch_state"
+    ]
+    assert eplb[-1].line < hook.line < record_batch[0].line
+    assert hook.line < replay[0].line
+    assert hook.line < min(site.line for site in contexts)
+
+
+def test_cudagraph_manager_is_built_through_the_runner_property(pinned_tree: Path) -> None:
+    module = parse(pinned_tree, MRV2)
+    initialize = find_def(module, "GPUModelRunner.initialize_kv_cache")
+    prop = find_def(module, "GPUModelRunner.cudagraph_manager_cls")
+
+    assert [ast.unparse(d) for d in prop.decorator_list] == ["property"]
+    assert ast.unparse(prop.body[-1]) == "return ModelCudaGraphManager"
+    assert call_sites(initialize, "ModelCudaGraphManager") == []
+    assert len(call_sites(initialize, "cudagraph_manager_cls")) == 1
+
+
+def test_before_capture_forward_signature(pinned_tree: Path) -> None:
+    hook = find_def(parse(pinned_tree, CUDAGRAPH), "CudaGraphManager.before_capture_forward")
+
+    assert param_names(hook) == ["self", "desc", "warmup"]
+    assert ast.unparse(hook.args.args[2].annotation) == "bool"
+    assert len(hook.body) == 1, "the default must do nothing but document itself"
+
+
+def test_capture_hooks_sit_outside_the_graph_body(pinned_tree: Path) -> None:
+    capture = find_def(parse(pinned_tree, CUDAGRAPH), "CudaGraphManager.capture")
+
+    hooks = call_sites(capture, "before_capture_forward")
+
+    assert len(hooks) == 3
+    assert all(not any("torch.cuda.graph" in w for w in h.withs) for h in hooks)
+
+
+def test_capture_hook_fires_twice_on_every_descriptor_path(pinned_tree: Path) -> None:
+    """Warm-up plus capture, for FULL, breakable and non-breakable PIECEWISE alike."""
+    capture = find_def(parse(pinned_tree, CUDAGRAPH), "CudaGraphManager.capture")
+    loop = next(
+        node for node in ast.walk(capture)
+        if isinstance(node, ast.For) and ast.unparse(node.target) == "desc"
+    )
+    branch = next(node for node in loop.body if isinstance(node, ast.If))
+
+    common = [s for s in call_sites(ast.Module(loop.body[: loop.body.index(branch)], []),
+                                    "before_capture_forward")]
+    non_breakable = call_sites(ast.Module(branch.body, []), "before_capture_forward")
+    breakable_or_full = call_sites(ast.Module(branch.orelse, []), "before_capture_forward")
+
+    assert [s.keyword("warmup") for s in common] == [True]
+    assert [s.keyword("warmup") for s in non_breakable] == [False]
+    assert [s.keyword("warmup") for s in breakable_or_full] == [False]
+    assert breakable_or_full[0].ifs == (), "must precede the PIECEWISE/FULL split"
+    warmup_forward = call_sites(ast.Module(loop.body, []), "forward_fn")[0]
+    assert common[0].line < warmup_forward.line
+    recreate = call_sites(ast.Module(branch.orelse, []), "create_forward_fn")
+    assert recreate[0].line < breakable_or_full[0].line
+
+
+def test_capture_hook_is_not_called_at_replay(pinned_tree: Path) -> None:
+    module = parse(pinned_tree, CUDAGRAPH)
+
+    for qualname in ("CudaGraphManager.run_fullgraph", "ModelCudaGraphManager.run_fullgraph",
+                     "CudaGraphManager.run_pw_graph"):
+        assert call_sites(find_def(module, qualname), "before_capture_forward") == []

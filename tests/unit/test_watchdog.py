@@ -1,0 +1,199 @@
+"""Liveness (AFD_SPEC §3.8): sticky failure, abort, termination fallback, heartbeats, step timeouts.
+
+Heartbeats run against a real TCPStore on loopback; "peers" are watchdogs of other ranks in this
+process, so stopping one is exactly what a dead peer looks like from the store.
+"""
+
+from __future__ import annotations
+
+import datetime
+import threading
+import time
+
+import pytest
+from torch.distributed import TCPStore
+
+from vllm_afd.connectors.watchdog import STARTUP_DONE_KEY, FailureLatch, Watchdog, WatchdogSpec
+from vllm_afd.errors import AFDPeerLostError, AFDStepTimeoutError
+
+
+class Recorder:
+    """Records abort and terminate calls (with the calling thread) instead of acting."""
+
+    def __init__(self) -> None:
+        self.aborts: list[str] = []
+        self.terminated: list[BaseException] = []
+        self.terminate_event = threading.Event()
+
+    def abort(self) -> None:
+        self.aborts.append(threading.current_thread().name)
+
+    def terminate(self, cause: BaseException) -> None:
+        self.terminated.append(cause)
+        self.terminate_event.set()
+
+
+def wait_for(predicate, timeout_s: float) -> float:
+    """Seconds until ``predicate()`` held; fails the test at the timeout."""
+    started = time.monotonic()
+    while not predicate():
+        assert time.monotonic() - started < timeout_s, "condition not reached in time"
+        time.sleep(0.01)
+    return time.monotonic() - started
+
+
+def test_first_failure_is_sticky_and_raised_by_every_check():
+    recorder = Recorder()
+    latch = FailureLatch(recorder.abort, recorder.terminate, grace_s=5.0)
+    first, second = AFDPeerLostError("first"), AFDPeerLostError("second")
+
+    assert latch.fail(first) is first
+    assert latch.fail(second) is first
+
+    for _ in range(2):
+        with pytest.raises(AFDPeerLostError, match="first"):
+            latch.check()
+    latch.join(2.0)
+    assert recorder.aborts and recorder.aborts[0] != threading.current_thread().name
+    assert recorder.terminated == []
+
+
+def test_unobserved_failure_terminates_after_the_grace():
+    recorder = Recorder()
+    latch = FailureLatch(recorder.abort, recorder.terminate, grace_s=0.3)
+    started = time.monotonic()
+
+    latch.fail(AFDPeerLostError("gone"))
+
+    assert recorder.terminate_event.wait(3.0)
+    assert 0.25 <= time.monotonic() - started < 2.0
+    assert [str(cause) for cause in recorder.terminated] == ["gone"]
+    assert latch.terminated
+
+
+def test_observed_or_closed_failures_do_not_terminate():
+    for finish in ("check", "close", "observed"):
+        recorder = Recorder()
+        latch = FailureLatch(recorder.abort, recorder.terminate, grace_s=0.2)
+
+        latch.fail(AFDPeerLostError("gone"), observed=finish == "observed")
+        if finish == "check":
+            with pytest.raises(AFDPeerLostError):
+                latch.check()
+        elif finish == "close":
+            latch.close()
+        latch.join(3.0)
+
+        assert recorder.terminated == [], finish
+
+
+def test_a_blocking_abort_never_blocks_the_failing_thread():
+    release = threading.Event()
+    latch = FailureLatch(lambda: release.wait(10.0), None, grace_s=0.1, abort_join_s=0.2)
+    started = time.monotonic()
+
+    latch.fail(AFDPeerLostError("gone"))
+
+    assert time.monotonic() - started < 0.1
+    latch.join(3.0)
+    release.set()
+
+
+def test_close_makes_later_failures_moot():
+    latch = FailureLatch(lambda: None, None)
+    latch.close()
+
+    latch.fail(AFDPeerLostError("late"))
+
+    latch.check()  # nothing recorded after an orderly close
+
+
+@pytest.fixture
+def store():
+    host = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, use_libuv=False,
+                    timeout=datetime.timedelta(seconds=5))
+    yield host
+
+
+def client(store: TCPStore) -> TCPStore:
+    return TCPStore("127.0.0.1", store.port, is_master=False, wait_for_workers=False,
+                    timeout=datetime.timedelta(seconds=5))
+
+
+def make_watchdog(store, role, rank, peers, *, peer_timeout_s=0.5, step_timeout_s=30.0):
+    recorder = Recorder()
+    latch = FailureLatch(recorder.abort, None)
+    spec = WatchdogSpec(role=role, role_rank=rank, peers=tuple(peers), num_attention_ranks=1,
+                        peer_timeout_s=peer_timeout_s, step_timeout_s=step_timeout_s,
+                        address=f"127.0.0.1:{store.port}", step_peer_label="ffn peer rank 0")
+    return Watchdog(client(store), spec, latch), latch
+
+
+def test_live_peers_keep_each_other_alive_and_a_silent_one_is_lost_in_time(store):
+    attention, attention_latch = make_watchdog(store, "attention", 0, [("ffn", 0)])
+    ffn, ffn_latch = make_watchdog(store, "ffn", 0, [("attention", 0)])
+    attention.start()
+    ffn.start()
+
+    time.sleep(1.5)  # three peer timeouts of healthy heartbeats
+    assert attention_latch.failure is None and ffn_latch.failure is None
+    ffn.stop()
+    elapsed = wait_for(lambda: attention_latch.failure is not None, 3.0)
+
+    assert 0.3 <= elapsed <= 1.2
+    assert isinstance(attention_latch.failure, AFDPeerLostError)
+    assert str(attention_latch.failure).startswith("AFD peer lost: ffn rank 0 silent for ")
+    assert str(attention_latch.failure).endswith("s (peer_timeout_s=0.5)")
+    assert not attention.is_alive  # it stopped heartbeating, so its own peers learn too
+    attention.stop()
+
+
+def test_losing_the_store_host_is_a_lost_peer():
+    host = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, use_libuv=False,
+                    timeout=datetime.timedelta(seconds=5))
+    port = host.port
+    watchdog, latch = make_watchdog(host, "attention", 0, [], peer_timeout_s=0.5)
+    watchdog.start()
+    time.sleep(0.3)
+
+    del host  # FFN rank 0's process would take the store server down with it
+    wait_for(lambda: latch.failure is not None, 3.0)
+
+    assert isinstance(latch.failure, AFDPeerLostError)
+    assert f"the rendezvous store at 127.0.0.1:{port} (hosted by ffn rank 0) is unreachable" in str(latch.failure)
+    watchdog.stop()
+
+
+def test_step_timeout_is_armed_only_after_startup_done(store):
+    attention, latch = make_watchdog(store, "attention", 0, [], step_timeout_s=0.3)
+    attention.start()
+    attention.step_opened(7)
+
+    time.sleep(0.8)  # start-up (profile, compile) may take long: no timeout yet
+    assert latch.failure is None
+    client(store).add(STARTUP_DONE_KEY, 1)
+    wait_for(lambda: latch.failure is not None, 3.0)
+
+    assert isinstance(latch.failure, AFDStepTimeoutError)
+    assert str(latch.failure) == "AFD step 7 did not complete within step_timeout_s=0.3 (ffn peer rank 0)"
+    attention.stop()
+
+
+def test_closed_steps_do_not_time_out_but_a_stuck_transfer_does(store):
+    client(store).add(STARTUP_DONE_KEY, 1)
+    attention, latch = make_watchdog(store, "attention", 0, [], step_timeout_s=0.3)
+    attention.start()
+    wait_for(lambda: attention.armed, 3.0)
+
+    for seq in range(5):
+        attention.step_opened(seq)
+        time.sleep(0.1)
+        attention.step_closed()
+    time.sleep(0.5)
+    assert latch.failure is None
+    attention.transfer_started()  # an exchange outside any published step (a missed payload)
+    wait_for(lambda: latch.failure is not None, 3.0)
+
+    assert isinstance(latch.failure, AFDStepTimeoutError)
+    assert str(latch.failure).startswith("AFD step 4 did not complete within step_timeout_s=0.3")
+    attention.stop()
