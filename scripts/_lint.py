@@ -83,8 +83,8 @@ def lint_patch(name: str, data: bytes, pin: dict[str, str], errors: list[str],
             if hunk.source_start < last_end:
                 errors.append(f"{where}: {fp.path} hunk {hunk.index} overlaps or precedes the previous one")
             last_end = hunk.source_start + hunk.source_length
-            lead = next((i for i, (t, _) in enumerate(hunk.lines) if t != " "), 0)
-            if fp.kind == "modify" and lead != 3 and hunk.source_start != 1:
+            lead = hunk.num_lead
+            if fp.kind == "modify" and lead != pl.CONTEXT and hunk.source_start != 1:
                 warnings.append(f"{where}: {fp.path} hunk {hunk.index} has {lead} leading context "
                                 "lines; expected 3 (regenerate with --make-patch)")
         _lint_markers(where, patch.stem, fp, errors)

@@ -31,7 +31,7 @@ HEADER_FIELD_RE = re.compile(rb"^([A-Z][A-Za-z-]*):[ \t]?(.*?)\s*$")
 INDEX_RE = re.compile(r"^index ([0-9a-f]+)\.\.([0-9a-f]+)(?: (\d+))?\s*$")
 MARKER_RE = re.compile(rb"^([ \t]*)# ### PATCH (START|END): (\S+)[ \t]*\r?\n?$")
 ZERO_BLOB = "0" * 40
-CONTEXT = 3  # context lines per hunk side; fewer means the hunk sits at a file edge
+CONTEXT = 3  # context lines per hunk side that the diff writer emits and the lint expects
 
 # Hunk statuses, as printed by --check and the rebase report.
 CLEAN, OFFSET, FUZZ = "clean", "offset", "needs fuzz"
@@ -44,7 +44,11 @@ class ConfigError(Exception):
 
 
 class PatchApplyError(Exception):
-    """The series cannot be applied to the given files (exit 1, or 6 for a partial tree)."""
+    """The series cannot be applied or written (exit 1, or 6 for a tree in an unknown state)."""
+
+    def __init__(self, message: str, exit_code: int = 1):
+        super().__init__(message)
+        self.exit_code = exit_code
 
 
 # --------------------------------------------------------------------------- pin and series
@@ -124,18 +128,20 @@ class Hunk:
                        target_start=self.source_start, target_length=self.source_length,
                        lines=tuple((swap[t], b) for t, b in self.lines))
 
+    @property
+    def num_lead(self) -> int:
+        """Leading context lines."""
+        return next((i for i, (t, _) in enumerate(self.lines) if t != " "), len(self.lines))
+
+    @property
+    def num_trail(self) -> int:
+        """Trailing context lines."""
+        return next((i for i, (t, _) in enumerate(reversed(self.lines)) if t != " "), len(self.lines))
+
     def trimmed(self, num_lines: int) -> tuple["Hunk", int]:
         """Drop up to `num_lines` leading and trailing context lines (fuzz); return (hunk, lead)."""
-        tags = [t for t, _ in self.lines]
-        lead = 0
-        while lead < num_lines and lead < len(tags) and tags[lead] == " ":
-            lead += 1
-        trail = 0
-        while trail < num_lines and trail < len(tags) - lead and tags[-1 - trail] == " ":
-            trail += 1
-        kept = self.lines[lead:len(self.lines) - trail]
-        return replace(self, source_start=self.source_start + lead, lines=kept,
-                       source_length=self.source_length - lead - trail), lead
+        lead, trail = min(num_lines, self.num_lead), min(num_lines, self.num_trail)
+        return replace(self, lines=self.lines[lead:len(self.lines) - trail]), lead
 
 
 @dataclass(frozen=True)
@@ -145,7 +151,6 @@ class FilePatch:
     hunks: tuple[Hunk, ...]
     old_blob: str = ""
     new_blob: str = ""
-    mode: str = ""
 
     def reversed(self) -> "FilePatch":
         kind = {"create": "delete", "delete": "create"}.get(self.kind, self.kind)
@@ -246,7 +251,7 @@ def parse_patch(name: str, data: bytes) -> Patch:
         kind = ("create" if pf.source_file == "/dev/null" else
                 "delete" if pf.target_file == "/dev/null" else "modify")
         hunks = tuple(_convert_hunk(h, i, len(pf)) for i, h in enumerate(pf, 1))
-        files.append(FilePatch(path, kind, hunks, old_blob, new_blob, pf.target_mode or ""))
+        files.append(FilePatch(path, kind, hunks, old_blob, new_blob))
     if not files and not unsupported:
         raise ConfigError(f"patches/{name}: no file diff found; expected `diff --git a/P b/P` "
                           "after the `---` line. Regenerate it with --make-patch.")
@@ -348,8 +353,8 @@ def _find(keys: list[bytes], want: list[bytes], expected: int, max_offset: int |
           edges: tuple[bool, bool] = (False, False)) -> tuple[int | None, bool]:
     """Exact match of `want` at `expected`, else the nearest one; (pos, ambiguous).
 
-    edges = (at_start, at_end): a hunk with less than CONTEXT leading (trailing) context
-    lines was made at the start (end) of the file and may only match there, as in GNU patch.
+    edges = (at_start, at_end): a hunk with less leading (trailing) context than the patch's
+    widest was made at the start (end) of the file and may only match there, as in GNU patch.
     """
     expected = min(max(expected, 0), len(keys))
     if not want:  # a context-free hunk comes only from an empty file: it must still be empty
@@ -394,6 +399,8 @@ def place_hunks(patch_name: str, fp: FilePatch, lines: list[bytes], *, fuzz: int
     """Place every hunk of one file patch on `lines`: exact -> offset -> reverse -> fuzz."""
     work, records, failed = list(lines), [], False
     delta = last_offset = 0
+    # As GNU patch: a side with less context than the patch's widest is at a file edge.
+    context = max((max(h.num_lead, h.num_trail) for h in fp.hunks), default=0)
     for hunk in fp.hunks:
         nominal = hunk.base + delta
         expected = nominal + last_offset
@@ -404,10 +411,7 @@ def place_hunks(patch_name: str, fp: FilePatch, lines: list[bytes], *, fuzz: int
         new = [_key(b) for b in hunk.new]
         attempts = [("exact", old, expected, 0), ("reverse", new, expected, 0),
                     ("offset", old, expected, max_offset), ("reverse", new, expected, max_offset)]
-        tags = [t for t, _ in hunk.lines]
-        num_lead = next((i for i, t in enumerate(tags) if t != " "), len(tags))
-        num_trail = next((i for i, t in enumerate(reversed(tags)) if t != " "), len(tags))
-        edges = (num_lead < CONTEXT, num_trail < CONTEXT)
+        edges = (hunk.num_lead < context, hunk.num_trail < context)
         pos = None
         for method, want, start, limit in attempts:
             pos, ambiguous = _find(keys, want, start, limit, edges)
@@ -490,9 +494,6 @@ class SeriesResult:
     @property
     def records(self) -> list[HunkRecord]:
         return [r for o in self.outcomes for r in o.records]
-
-    def count(self, status: str) -> int:
-        return sum(1 for o in self.outcomes if o.status == status)
 
 
 def _place_file(name: str, fp: FilePatch, lines: list[bytes] | None, *, fuzz: int,

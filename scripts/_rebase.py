@@ -16,31 +16,29 @@ import ast
 import datetime
 import re
 from pathlib import Path
+from typing import Callable
 
 import _patchlib as pl
-import _tree
 import _wheel as wh
 
 WS_RE = re.compile(rb"\s+")
 DEF_NAME_RE = re.compile(rb"^\s*(?:async\s+def|def|class)\s+(\w+)")
 
 
-def _source(ref: str, args, out) -> tuple[str, callable]:
-    """(label, read) for a version (cached/downloaded wheel), a .whl or a tree."""
+def _source(ref: str, args, out) -> tuple[str, Callable[[str], bytes | None]]:
+    """(title, read) for a version (cached/downloaded wheel), a .whl or a tree."""
     if Path(ref, "vllm").is_dir():
         root = Path(ref)
         return f"tree {ref}", lambda p: (root / p).read_bytes() if (root / p).is_file() else None
-    if ref.endswith(".whl"):
-        wheel = Path(ref)
-    else:
-        wheel = _release_wheel(ref, args, out)
+    wheel = Path(ref) if ref.endswith(".whl") else _release_wheel(ref, args, out)
     cache: dict[str, bytes | None] = {}
 
     def read(path: str) -> bytes | None:
         if path not in cache:
             cache.update(wh.read_members(wheel, [path]))
         return cache[path]
-    return wheel.name, read
+    name = wh.WheelName.parse(wheel.name)
+    return f"vLLM {name.version} ({name.dist.replace('_', '-')} wheel `{wheel.name}`)", read
 
 
 def _release_wheel(version: str, args, out) -> Path:
@@ -164,18 +162,20 @@ def run_rebase(args, pin, patches, out) -> int:
                                f"set `Applied-Upstream: {_version_of(label)}`.")
         status = outcome.status
         if status in ("failed", "partial"):
-            code = pl_worst(code, 1)
+            code = _worse(code, 1)
             actions.append(f"`{patch.name}`: {status}; refresh the patch against {label} "
                            "(see the conflicting hunks).")
         elif status in ("fuzz", "already upstream", "already applied") or any(
                 r.status == pl.OFFSET for r in outcome.records):
-            code = pl_worst(code, 3)
+            code = _worse(code, 3)
             if status == "fuzz":
                 actions.append(f"`{patch.name}`: places only with fuzz (flagged; never used to "
                                "build); check the placement and refresh.")
+        if status in ("applied", "fuzz"):
+            actions += _duplicate_defs(patch, result)
     semantic = _semantic(patches, result)
     if semantic:
-        code = pl_worst(code, 3)
+        code = _worse(code, 3)
     text = render(label, pin, patches, result, semantic, actions, code)
     if args.out:
         Path(args.out).write_text(text)
@@ -188,13 +188,27 @@ def run_rebase(args, pin, patches, out) -> int:
     return code
 
 
-def pl_worst(a: int, b: int) -> int:
+def _duplicate_defs(patch: pl.Patch, result: pl.SeriesResult) -> list[str]:
+    """A patch that places but adds a def/class the target already has: upstream caught up."""
+    found = []
+    for fp in patch.files:
+        target = result.before.get(fp.path) or b""
+        for tag, line in (x for h in fp.hunks for x in h.lines):
+            match = DEF_NAME_RE.match(line) if tag == "+" else None
+            if match and re.search(rb"(?m)^\s*(?:async\s+def|def|class)\s+" + match.group(1) + rb"\b", target):
+                found.append(f"`{patch.name}`: adds `{match.group(1).decode()}` to `{fp.path}`, which the "
+                             "target already defines; check whether upstream absorbed the seam.")
+    return found
+
+
+def _worse(a: int, b: int) -> int:
+    """Conflict (1) beats drift (3) beats clean (0)."""
     return 1 if 1 in (a, b) else max(a, b)
 
 
 def _version_of(label: str) -> str:
-    match = re.search(r"-(\d+\.\d+\.\d+[^-]*)-", label)
-    return match.group(1) if match else label
+    match = re.match(r"vLLM (\S+) ", label)
+    return match.group(1) if match else "<version>"
 
 
 def _semantic(patches: list[pl.Patch], result: pl.SeriesResult) -> list[str]:

@@ -215,12 +215,26 @@ def repack(upstream: Path, out_dir: Path, *, label: str, replacements: dict[str,
     """Write `<dist>-<version>+<label>-<tags>.whl` into out_dir; return its path."""
     name = WheelName.parse(upstream.name)
     version = f"{name.version}+{label}"
-    old_info, new_info = f"{name.dist}-{name.version}.dist-info/", f"{name.dist}-{version}.dist-info/"
     out_dir.mkdir(parents=True, exist_ok=True)
     target = out_dir / name.filename(version)
     tmp = target.with_name(target.name + ".part")
+    try:
+        _write_repack(upstream, tmp, name, version, replacements, stamp, epoch, fmt)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    os.replace(tmp, target)
+    return target
+
+
+def _write_repack(upstream: Path, tmp: Path, name: WheelName, version: str,
+                  replacements: dict[str, bytes | None], stamp: bytes, epoch: int, fmt: str) -> None:
+    old_info, new_info = f"{name.dist}-{name.version}.dist-info/", f"{name.dist}-{version}.dist-info/"
     rows: list[tuple[str, str, str]] = []
     with zipfile.ZipFile(upstream) as zf, open(upstream, "rb") as src, open(tmp, "wb") as fh:
+        if STAMP_PATH in zf.namelist():
+            raise ArtifactError(f"{upstream.name}: already holds {STAMP_PATH}; expected the official "
+                                "(unpatched) wheel. Use the wheel from PyPI.")
         upstream_rows = {r[0]: r for r in csv.reader(io.StringIO(zf.read(old_info + "RECORD").decode()))
                          if r}
         infos = zf.infolist()
@@ -239,7 +253,12 @@ def repack(upstream: Path, out_dir: Path, *, label: str, replacements: dict[str,
                     add(path, data, info.external_attr)
                 continue
             out.add_raw(src, info)
-            rows.append(upstream_rows.get(path) or (path, "", ""))
+            if path.endswith("/"):
+                continue  # a directory entry has no RECORD row
+            if path not in upstream_rows:  # not expected in an official wheel; hash it ourselves
+                data = zf.read(info)
+                upstream_rows[path] = (path, record_hash(data), str(len(data)))
+            rows.append(upstream_rows[path])
         for path in sorted(p for p, d in pending.items() if d is not None):
             add(path, pending[path], 0o100644 << 16)
         add(STAMP_PATH, stamp, 0o100644 << 16)
@@ -255,11 +274,8 @@ def repack(upstream: Path, out_dir: Path, *, label: str, replacements: dict[str,
             add(new_info + rel, data, info.external_attr)
         buf = io.StringIO()
         csv.writer(buf, lineterminator="\n").writerows(rows + [(new_info + "RECORD", "", "")])
-        add_record = buf.getvalue().encode()
-        out.add_bytes(new_info + "RECORD", add_record, 0o100644 << 16)
+        out.add_bytes(new_info + "RECORD", buf.getvalue().encode(), 0o100644 << 16)
         out.close()
-    os.replace(tmp, target)
-    return target
 
 
 def content_digest(path: Path) -> str:
@@ -297,8 +313,8 @@ def verify_wheel(path: Path, *, expected_markers: dict[str, dict[str, int]] | No
         infos = [n for n in names if n.endswith(".dist-info/RECORD")]
         if infos != [info_dir + "RECORD"]:
             return problems + [f"dist-info RECORD {infos}; expected exactly {info_dir}RECORD"]
-        metadata = zf.read(info_dir + "METADATA").decode("utf-8", "replace")
-        if f"\nVersion: {name.version}\n" not in "\n" + metadata:
+        metadata = zf.read(info_dir + "METADATA").decode("utf-8", "replace").partition("\n\n")[0]
+        if f"\nVersion: {name.version}\n" not in f"\n{metadata}\n":
             problems.append(f"METADATA Version differs from the file name's {name.version}")
         tags = [ln[5:].strip() for ln in zf.read(info_dir + "WHEEL").decode().splitlines()
                 if ln.startswith("Tag:")]

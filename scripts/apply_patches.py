@@ -154,8 +154,10 @@ def run_check(args, pin, patches, out: Out) -> int:
     if kind == "tree":
         sources.append((f"tree {path}", lambda p, root=path: _read_tree(root, p)))
     else:
+        if kind == "wheel":
+            args.wheel = str(path)
         for flavor in flavors_of(args, patches, widen=True):
-            wheel = path if kind == "wheel" else upstream_wheel(args, pin, flavor, out)
+            wheel = upstream_wheel(args, pin, flavor, out)
             members = wh.read_members(wheel, pl.required_files(patches))
             sources.append((f"{pin[flavor + '.dist']} {pin['version']}", members.get))
     code, report = 0, []
@@ -465,7 +467,7 @@ def main(argv: list[str] | None = None) -> int:
         return 5
     except pl.PatchApplyError as exc:
         out.error(str(exc))
-        return exc.args[1] if len(exc.args) > 1 else 1
+        return exc.exit_code
     except Exception as exc:  # noqa: BLE001 - last resort: report, never a bare traceback
         out.error(f"apply_patches.py: internal error ({type(exc).__name__}: {exc}); expected none. "
                   "Rerun with -v and report it.")

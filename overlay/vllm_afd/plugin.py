@@ -69,12 +69,18 @@ def apply_afd_config(vllm_config: VllmConfig) -> None:
     afd = parse_afd_config(vllm_config)
     if afd is None:
         return
-    from vllm_afd.validation import worker_class_for
+    from vllm_afd.validation import check_worker_stack, worker_class_for
 
     parallel = vllm_config.parallel_config
+    platform = current_platform_name()
     if parallel.worker_cls == "auto":
-        parallel.worker_cls = worker_class_for(current_platform_name(), afd.role)
+        parallel.worker_cls = worker_class_for(platform, afd.role)
+    else:
+        check_worker_stack(parallel.worker_cls, platform, afd.role)
     if afd.role == "ffn":
+        # NOTE: the FFN reports no KV cache; vLLM's scheduler tolerates a KV-less
+        # config only without prefix caching (as for attention-free models).
+        vllm_config.cache_config.enable_prefix_caching = False
         _install_ffn_request_veto()
     else:
         # NOTE: vLLM keeps the API server up after engine death only with this flag;

@@ -145,8 +145,10 @@ class WorkerPool:
         for i in range(len(arg_lists)):
             if i not in outcome:
                 outcome[i] = ("timeout", None)
-            if outcome[i][0] in ("exit", "timeout"):
-                self._replace(i)
+            proc = self._workers[i][0]
+            if outcome[i][0] in ("exit", "timeout") and proc.is_alive():
+                proc.kill()  # replaced lazily by the next run that needs it
+                proc.join(5.0)
         return [outcome[i] for i in range(len(arg_lists))]
 
     def close(self) -> None:

@@ -46,20 +46,23 @@ def ffn_compute(hidden: torch.Tensor, logits: torch.Tensor | None, layer: int) -
 
 
 def exchange(role: str, rank: int, num_attention: int, num_ffn: int, port: int, dtype_name: str,
-             num_steps: int, gate: bool = False, num_stages: int = 1, probe_errors: bool = False) -> dict[str, Any]:
+             num_steps: int, gate: bool = False, num_stages: int = 1, probe_errors: bool = False,
+             attention_tp: int = 1) -> dict[str, Any]:
     """One rank of a full run: ``num_steps`` payloads, each followed by every crossing layer's exchanges."""
     dtype = getattr(torch, dtype_name)
     layers = crossing_layers(gate)
+    num_dp = num_attention // attention_tp
+    layout = {"dp_size": num_dp, "tp_size": attention_tp} if role == "attention" else {}
     settings = make_settings(role, rank, num_attention, num_ffn, port, dtype=dtype, compute_gate_on_attention=gate,
-                             exchanges_per_stage=len(layers))
-    protocol = make_protocol(settings)
+                             exchanges_per_stage=len(layers), dp_size=num_dp if role == "attention" else num_ffn)
+    protocol = make_protocol(settings, **layout)
     started = time.monotonic()
     protocol.init()
     protocol.init()  # idempotent
     errors: list[str] = []
     payloads: list[dict[str, Any]] = []
     for step in range(num_steps):
-        stages = {stage: step_counts(step, stage, num_attention) for stage in range(num_stages)}
+        stages = {stage: step_counts(step, stage, num_dp) for stage in range(num_stages)}
         if role == "attention":
             protocol.send_dp_metadata(stages, is_profile=step == 0, is_warmup=step == 1)
         else:
@@ -71,7 +74,7 @@ def exchange(role: str, rank: int, num_attention: int, num_ffn: int, port: int, 
         for layer in layers:
             for stage in range(num_stages):
                 if role == "attention":
-                    _attention_exchange(protocol, rank, step, layer, stage, stages[stage], dtype, gate,
+                    _attention_exchange(protocol, rank, step, layer, stage, stages[stage][rank // attention_tp], dtype, gate,
                                         probe_errors and step == 0 and not errors, errors)
                 else:
                     _ffn_exchange(protocol, layer, stage, gate)
@@ -81,9 +84,9 @@ def exchange(role: str, rank: int, num_attention: int, num_ffn: int, port: int, 
             "initialized_after_close": protocol.is_initialized}
 
 
-def _attention_exchange(protocol: Any, rank: int, step: int, layer: int, stage: int, counts: list[int],
+def _attention_exchange(protocol: Any, rank: int, step: int, layer: int, stage: int, count: int,
                         dtype: torch.dtype, gate: bool, probe: bool, errors: list[str]) -> None:
-    num_rows = max(1, counts[rank])
+    num_rows = max(1, count)
     hidden = make_hidden(rank, step, layer, stage, num_rows, dtype)
     logits = make_logits(rank, step, layer, num_rows) if gate else None
     if probe:  # wrong rows must raise before anything reaches the wire
@@ -148,3 +151,64 @@ def exchange_then_die(role: str, rank: int, port: int, peer_timeout_s: float) ->
         protocol.close()
         return {"error": first, "elapsed_s": elapsed, "sticky": sticky}
     return {"error": None}
+
+
+def _report_and_exit(path: str, code: int) -> Any:
+    """A termination hook for tests: write the cause where the test can read it, then exit."""
+    def terminate(cause: BaseException) -> None:
+        with open(path, "w") as out:
+            out.write(f"{type(cause).__name__}: {cause}")
+        os._exit(code)
+    return terminate
+
+
+def hung_ffn(role: str, rank: int, port: int, report_path: str) -> dict[str, Any]:
+    """1A1F after start-up: the FFN takes a layer and sits on it; the attention's step must time out."""
+    settings = make_settings(role, rank, 1, 1, port, step_timeout_s=1.0, peer_timeout_s=1.0)
+    protocol = make_protocol(settings, terminate=_report_and_exit(report_path, 17) if role == "attention" else None)
+    protocol.init()
+    if role == "ffn":
+        protocol.update_state_from_dp_metadata(protocol.recv_dp_metadata_list())
+        protocol.recv_attn_output(0)
+        time.sleep(4.5)  # stuck, but alive and heartbeating (the attention goes down at ~3 s)
+        protocol.close()
+        return {}
+    protocol.mark_startup_done()
+    protocol.send_dp_metadata({0: [2]})
+    hidden = make_hidden(rank, 0, 0, 0, 2, torch.bfloat16)
+    protocol.send_attn_output(hidden, AFDTransferContext(AFDTransferMetadata.create_attention_metadata(0, 0, 2)))
+    protocol.recv_ffn_output(hidden)  # blocks: gloo cannot be interrupted, so termination must follow
+    return {"unexpected": "the receive returned"}
+
+
+def idle_attention(role: str, rank: int, port: int, report_path: str) -> dict[str, Any]:
+    """1A1F: FFN rank 0 (the store host) dies while the attention idles; the attention must go down."""
+    settings = make_settings(role, rank, 1, 1, port, peer_timeout_s=1.0)
+    protocol = make_protocol(settings, terminate=_report_and_exit(report_path, 18) if role == "attention" else None)
+    protocol.init()
+    if role == "ffn":
+        time.sleep(0.5)
+        os._exit(3)
+    time.sleep(10.0)  # idle: nobody calls check_failed()
+    return {"unexpected": "still alive"}
+
+
+def garbage_payload(role: str, rank: int, port: int) -> dict[str, Any]:
+    """The attention frames bytes that are not a payload; the FFN must refuse them."""
+    from vllm_afd.connectors.channels import CONTROL
+
+    protocol = make_protocol(make_settings(role, rank, 1, 1, port))
+    protocol.init()
+    try:
+        if role == "attention":
+            body = torch.frombuffer(bytearray(b"\x80not json"), dtype=torch.uint8)
+            protocol.transport.send(CONTROL, torch.tensor([body.numel()], dtype=torch.int64), 0)
+            protocol.transport.send(CONTROL, body, 0)
+            return {}
+        try:
+            protocol.recv_dp_metadata_list()
+        except Exception as exc:  # noqa: BLE001 - reported to the test
+            return {"error": f"{type(exc).__name__}: {exc}"}
+        return {"error": None}
+    finally:
+        protocol.close()

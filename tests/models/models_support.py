@@ -38,9 +38,10 @@ def build_deepseek_v3_noaux(out_dir: pathlib.Path) -> pathlib.Path:
     init_weights(model, seed=0)
     generator = torch.Generator().manual_seed(1)
     with torch.no_grad():
-        for name, param in model.named_parameters():
+        # NOTE: a buffer in transformers' DeepseekV3, so init_weights leaves it at zero.
+        for name, buffer in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
-                param.copy_(torch.randn(param.shape, generator=generator))
+                buffer.copy_(torch.randn(buffer.shape, generator=generator))
     model = model.to(torch.bfloat16)
     model.config.architectures = ["DeepseekV3ForCausalLM"]
     model.save_pretrained(out_dir)

@@ -117,6 +117,9 @@ def test_alias_load_weights_wraps_the_native_loader():
         assert alias.__mro__[2].load_weights is alias.__mro__[2].__dict__["load_weights"]
 
 
+EXPERTS_BLOCKS = (afd_qw.AFDQwen3MoeExperts, afd_ds.AFDDeepseekV2Experts)
+
+
 def state(module: nn.Module) -> tuple[set[str], set[str]]:
     """(plain attribute names, child module names) a module's constructor set."""
     attributes = {k for k in vars(module) if not k.startswith("_")} - {"training"}
@@ -129,7 +132,7 @@ def pairs(native, half):
     yield native.model.model, half.model.model
     for native_layer, afd_layer in zip(native.model.model.layers, half.model.model.layers):
         yield native_layer, afd_layer
-        if isinstance(afd_layer.mlp, (afd_qw.AFDQwen3MoeExperts, afd_ds.AFDDeepseekV2Experts)):
+        if isinstance(afd_layer.mlp, EXPERTS_BLOCKS):
             yield native_layer.mlp, afd_layer.mlp
 
 
@@ -151,4 +154,6 @@ def test_afd_modules_set_every_attribute_and_child_of_the_native_ones(build, tin
             afd_attrs, afd_children = state(afd_module)
             where = f"{type(afd_module).__name__} ({half.model.afd_role})"
             assert native_attrs - {"compiled", "was_aot_compile_fn_loaded_from_disk"} <= afd_attrs, where
-            assert native_children == afd_children, where
+            # The experts-only blocks hold no router (a DeepSeek noaux_tc one keeps its bias).
+            no_router = {"gate"} if isinstance(afd_module, EXPERTS_BLOCKS) else set()
+            assert native_children - no_router <= afd_children <= native_children, where

@@ -97,7 +97,7 @@ def test_reverse_restores_every_byte_and_removes_the_stamp(run, tree, series, pi
 
     assert code == 0 and "Reverting b-add-hook.patch (2/2): reverted" in out
     assert snapshot(tree) == pristine
-    assert again == 0 and "already reverted" in out_again
+    assert again == 0 and "OK: already reverted" in out_again and "not applied" in out_again
 
 
 def test_failing_patch_in_the_middle_leaves_the_tree_untouched(run, tmp_path, tree, pin):
@@ -291,3 +291,15 @@ def test_list_prints_the_series_table(run, series, pin):
     code, out = run("--list", "--patches", series, "--pin", pin)
 
     assert code == 0 and "a-add-hook.patch\tt: test patch\tvllm/a.py\tvllm/a.py::f5" in out
+
+
+def test_check_report_json_holds_every_hunk(run, tmp_path, tree, series, pin):
+    report = tmp_path / "r.json"
+
+    code, _ = run("--check", "--src", tree, "--patches", series, "--pin", pin, "--report", report)
+
+    data = json.loads(report.read_text())
+    assert code == 0 and data["exit"] == 0
+    hunks = [h for p in data["sources"][0]["patches"] for h in p["hunks"]]
+    assert [(h["path"], h["status"], h["method"]) for h in hunks] == [
+        ("vllm/a.py", "clean", "exact"), ("vllm/b.py", "clean", "exact")]

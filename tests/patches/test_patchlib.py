@@ -61,7 +61,7 @@ def test_lines_inserted_above_give_an_offset_and_the_right_result(pair, num_line
     prefix = b"".join(gen.fresh_line("above") + eol for _ in range(num_lines))
     patch = patch_for(old, new)
     first = patch.files[0].hunks[0]
-    assume(first.lines[0][0] == " " and all(t == " " for t, _ in first.lines[:pl.CONTEXT]))
+    assume(first.num_lead == max(max(h.num_lead, h.num_trail) for h in patch.files[0].hunks))
 
     result = apply(patch, prefix + old)
 
@@ -245,3 +245,27 @@ def test_local_label_is_stable_hex_without_cpu():
     assert label == pl.local_label("ced6857afa0ea7b2e3f0846a62e1394e90f15607", [patch])
     assert label.startswith("afd.g") and len(label) == 15 and "cpu" not in label
     assert label != pl.local_label("0" * 40, [patch])
+
+
+@pytest.mark.skipif(shutil.which("patch") is None, reason="GNU patch not installed")
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                  HealthCheck.function_scoped_fixture])
+@given(gen.file_pairs(), st.integers(0, 5), st.booleans())
+def test_decision_and_output_equal_gnu_patch_at_fuzz_0(tmp_path_factory, pair, num_above, alter):
+    old, new = pair
+    patch = patch_for(old, new)
+    target = b"".join(gen.fresh_line("above") + b"\n" for _ in range(num_above)) + old
+    if alter:
+        target = target.replace(patch.files[0].hunks[0].old[0], gen.fresh_line("x") + b"\n", 1)
+    work = tmp_path_factory.mktemp("gnu")
+    (work / "vllm").mkdir()
+    (work / "vllm" / "x.py").write_bytes(target)
+    (work / "p.diff").write_bytes(pl.split_patch(pl.make_patch(b"", [(PATH, old, new)]))[1])
+
+    gnu = subprocess.run(["patch", "-p1", "-F0", "-N", "--no-backup-if-mismatch", "-r", "-", "-i", "p.diff"],
+                         cwd=work, capture_output=True, timeout=60)
+    ours = apply(patch, target)
+
+    assert (gnu.returncode == 0) == (ours.outcomes[0].status == "applied"), gnu.stdout
+    if gnu.returncode == 0:
+        assert (work / "vllm" / "x.py").read_bytes() == ours.after[PATH]

@@ -78,7 +78,7 @@ def test_renamed_local_is_caught_by_the_pyflakes_diff(run, tmp_path, pin):
     code, out = run("--rebase-report", target, "--patches", patches, "--pin", pin)
 
     assert code == 3
-    assert "| r-add-hook | `vllm/r.py` | 1/1 | 5 | 5 | +0 | exact | clean |" in out
+    assert "| r-add-hook | `vllm/r.py` | 1/1 | 3 | 3 | +0 | exact | clean |" in out
     assert "`vllm/r.py`: new pyflakes undefined name(s) ['dp_sync']" in out
 
 
@@ -89,7 +89,7 @@ def test_fuzz_is_a_flagged_diagnostic_only(run, tmp_path, tree, series, pin):
     code, out = run("--rebase-report", target, "--patches", series, "--pin", pin)
     no_fuzz, out_no_fuzz = run("--rebase-report", target, "--patches", series, "--pin", pin, "--fuzz", "0")
 
-    assert code == 3 and "needs fuzz 2 ⚠ fuzz" in out and "places only with fuzz" in out
+    assert code == 3 and "needs fuzz 1 ⚠ fuzz" in out and "places only with fuzz" in out
     assert no_fuzz == 1 and "conflict" in out_no_fuzz
 
 
@@ -102,7 +102,7 @@ def test_fence_outside_its_anchor_is_reported(run, tmp_path, tree, pin):
     code, out = run("--rebase-report", target, "--patches", patches, "--pin", pin)
     check, out_check = run("--check", "--src", tree, "--patches", patches, "--pin", pin)
 
-    assert code == 3 and "anchor: a-add-hook.patch: fence at vllm/a.py:15 sits in ['vllm/a.py::f5']" in out
+    assert code == 3 and "anchor: a-add-hook.patch: fence at vllm/a.py:17 sits in ['vllm/a.py::f5']" in out
     assert check == 4 and "no declared Anchor" in out_check
 
 

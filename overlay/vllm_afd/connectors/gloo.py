@@ -20,8 +20,10 @@ from vllm_afd.connectors.protocol import P2pAFDConnector
 
 __all__ = ["GlooTransport", "P2pGlooAFDConnector"]
 
-# Native timeout of every gloo operation once the groups exist. The watchdog enforces steps; the FFN's
-# wait for the next payload is legally unbounded, so this only has to outlast any idle period.
+# Native timeout of every gloo send/receive. The watchdog enforces steps; the FFN's wait for the next
+# payload is legally unbounded, so this only has to outlast any idle period.
+# NOTE: passed to every ``wait()``: without it gloo uses the group's creation timeout (the rest of the
+# rendezvous), and ``set_timeout`` does not change that for pending sends and receives (torch 2.13).
 GLOO_OP_TIMEOUT = datetime.timedelta(days=365)
 
 
@@ -57,18 +59,16 @@ class GlooTransport(P2pTransport):
             channels.append((CONTROL, f"afd/{CONTROL}", plan.control_rank, plan.control_size))
         for name, prefix, rank, size in channels:
             # Creation is bounded by what is left of the rendezvous; traffic by GLOO_OP_TIMEOUT.
-            group = ProcessGroupGloo(PrefixStore(prefix, store), rank, size, timeout)
-            group.set_timeout(GLOO_OP_TIMEOUT)
-            self._groups[name] = group
+            self._groups[name] = ProcessGroupGloo(PrefixStore(prefix, store), rank, size, timeout)
 
     def send(self, channel: str, tensor: torch.Tensor, dst: int) -> None:
         host = tensor if tensor.device.type == "cpu" else tensor.to("cpu")
-        self._group(channel).send([_bytes(host.contiguous())], dst, 0).wait()
+        self._group(channel).send([_bytes(host.contiguous())], dst, 0).wait(GLOO_OP_TIMEOUT)
 
     def recv(self, channel: str, tensor: torch.Tensor, src: int) -> int:
         direct = tensor.device.type == "cpu" and tensor.is_contiguous()
         staging = tensor if direct else self._staging_for(tensor)
-        self._group(channel).recv([_bytes(staging)], src, 0).wait()
+        self._group(channel).recv([_bytes(staging)], src, 0).wait(GLOO_OP_TIMEOUT)
         if not direct:
             tensor.copy_(staging)
         return src

@@ -230,14 +230,15 @@ class Rendezvous:
         spec = self.spec
         last_error: BaseException | None = None
         while True:
-            # NOTE: probe with a plain socket first: TCPStore's own connect retries past its timeout.
+            # NOTE: short attempts: TCPStore's connect retries internally for up to ~3x its timeout.
+            # (A plain-socket probe first would be quieter, but it can stall the store server for 5 s.)
+            attempt_s = min(CONNECT_ATTEMPT_S, max(self.remaining_s() / 3.0, 0.05))
             try:
-                with socket.create_connection((spec.host, spec.port), timeout=CONNECT_ATTEMPT_S):
-                    pass
-                return TCPStore(
-                    spec.host, spec.port, is_master=False, wait_for_workers=False, timeout=self._store_timeout()
-                )
-            except (OSError, RuntimeError) as exc:
+                store = TCPStore(spec.host, spec.port, is_master=False, wait_for_workers=False,
+                                 timeout=datetime.timedelta(seconds=attempt_s))
+                store.set_timeout(self._store_timeout())
+                return store
+            except RuntimeError as exc:  # DistNetworkError: nobody listens (yet)
                 last_error = exc
             if self.remaining_s() <= 0.0:
                 raise self._unreachable_error(f"last error: {last_error}")

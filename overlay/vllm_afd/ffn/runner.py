@@ -73,6 +73,38 @@ class AFDFFNModelRunner:
     def sample_tokens(self, *args: Any, **kwargs: Any) -> None:
         raise RuntimeError("FFN runners do not sample tokens")
 
+    # The FFN holds no caches, LoRAs, drafts or encoders: vLLM's engine-wide utility
+    # calls (API-server start-up resets, LoRA listing) answer as for an empty runner.
+    is_pooling_model = False
+
+    def reset_mm_cache(self) -> None:
+        return None
+
+    def reset_encoder_cache(self) -> None:
+        return None
+
+    def get_encoder_timing_stats(self) -> dict[str, Any]:
+        return {}
+
+    def take_draft_token_ids(self) -> None:
+        return None
+
+    def add_lora(self, lora_request: Any) -> bool:
+        return False
+
+    def remove_lora(self, lora_id: int) -> bool:
+        return False
+
+    def pin_lora(self, lora_id: int) -> bool:
+        return False
+
+    def list_loras(self) -> set[int]:
+        return set()
+
+    def reload_weights(self, *args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("AFDFFNModelRunner: reload_weights() is not supported; restart "
+                           "both AFD roles with the new weights.")
+
     # ---- loop surface ---------------------------------------------------------------
     def init_connector(self) -> None:
         """Rendezvous with the attention ranks (blocks up to rendezvous_timeout_s)."""

@@ -45,6 +45,7 @@ class Generation(NamedTuple):
     text: str
     token_ids: list[int] | None  # generated ids (None if the server returned none)
     finish_reason: str | None
+    prompt_token_ids: list[int] | None  # the prompt as the server tokenized it
 
 
 class ServerStartError(RuntimeError):
@@ -258,10 +259,13 @@ def complete_batch(
 
     `request_fields` go into the JSON body as-is (e.g. `ignore_eos=True`, `seed=0`, `model=...`).
     """
-    if all(isinstance(p, str) for p in prompts):
-        prompt_field: Any = list(prompts)
-    else:
-        prompt_field = [list(p) for p in prompts]
+    num_text_prompts = sum(isinstance(p, str) for p in prompts)
+    if 0 < num_text_prompts < len(prompts):
+        raise ValueError(
+            f"complete_batch: prompts mix text and token ids ({num_text_prompts} of "
+            f"{len(prompts)} are text); expected all text or all token ids. Send two requests."
+        )
+    prompt_field: Any = list(prompts) if num_text_prompts else [list(p) for p in prompts]
     body = {"prompt": prompt_field, "max_tokens": max_tokens, "temperature": temperature,
             "stream": stream, "return_token_ids": True, **request_fields}
     choices = _post(f"{base_url}/v1/completions", body, stream=stream, timeout_s=timeout_s)
@@ -293,15 +297,20 @@ def _post(url: str, body: dict[str, Any], *, stream: bool, timeout_s: float) -> 
                 "Check the request body against the server log."
             )
         if not stream:
-            return {c["index"]: _flatten_choice(c) for c in response.json()["choices"]}
+            payload = response.json()
+            return {c["index"]: _flatten_choice(c, payload) for c in payload["choices"]}
         return _merge_stream(response.iter_lines(decode_unicode=True))
 
 
-def _flatten_choice(choice: dict) -> dict:
-    """Normalize a completion or chat choice to {text, content, token_ids, finish_reason}."""
+def _flatten_choice(choice: dict, payload: dict) -> dict:
+    """Normalize a completion or chat choice to {text, content, token_ids, ...}.
+
+    Completions carry `prompt_token_ids` per choice, chat once per response.
+    """
     message = choice.get("message") or {}
     return {"text": choice.get("text"), "content": message.get("content"),
-            "token_ids": choice.get("token_ids"), "finish_reason": choice.get("finish_reason")}
+            "token_ids": choice.get("token_ids"), "finish_reason": choice.get("finish_reason"),
+            "prompt_token_ids": choice.get("prompt_token_ids") or payload.get("prompt_token_ids")}
 
 
 def _merge_stream(lines: Iterable[str]) -> dict[int, dict]:
@@ -309,12 +318,18 @@ def _merge_stream(lines: Iterable[str]) -> dict[int, dict]:
     for line in lines:
         if not line or not line.startswith("data: "):
             continue
-        payload = line[len("data: "):]
-        if payload == "[DONE]":
+        data = line[len("data: "):]
+        if data == "[DONE]":
             break
-        for choice in json.loads(payload).get("choices", []):
+        payload = json.loads(data)
+        for choice in payload.get("choices", []):
             slot = merged.setdefault(
-                choice["index"], {"text": "", "content": "", "token_ids": None, "finish_reason": None}
+                choice["index"], {"text": "", "content": "", "token_ids": None,
+                                  "finish_reason": None, "prompt_token_ids": None},
+            )
+            slot["prompt_token_ids"] = (
+                slot["prompt_token_ids"] or choice.get("prompt_token_ids")
+                or payload.get("prompt_token_ids")
             )
             slot["text"] += choice.get("text") or ""
             slot["content"] += (choice.get("delta") or {}).get("content") or ""
@@ -325,4 +340,6 @@ def _merge_stream(lines: Iterable[str]) -> dict[int, dict]:
 
 
 def _generation(choice: dict, *, text_key: str) -> Generation:
-    return Generation(choice[text_key] or "", choice["token_ids"], choice["finish_reason"])
+    return Generation(
+        choice[text_key] or "", choice["token_ids"], choice["finish_reason"], choice["prompt_token_ids"]
+    )

@@ -1,0 +1,288 @@
+"""Pure parts of the GPU end-to-end run: phases, prompts, token comparison, rates, the report.
+
+`gpu_e2e.py` drives servers on the lent GPU machine, where every minute costs device time;
+everything that needs no GPU and no vLLM lives here so that it is unit-tested on the CPU
+machine (tests/unit/test_device_scripts.py): phase selection, the fixed prompt sets, the
+greedy-token comparison (AFD vs plain vLLM, graphs vs eager), decode rates from timed
+requests, and the markdown rendering of `summary.json`.  Stdlib only.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import statistics
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+# Execution order.  "pristine" runs the unpatched tree, so it must precede "patch".
+PHASES = ("models", "pristine", "patch", "rtt", "tokens", "bench", "hooks")
+DEFAULT_PHASES = ("patch", "models", "rtt", "tokens", "bench", "hooks")
+
+# Token checks: a few text prompts in the tiny tokenizer's domain, plus one chat turn.
+TEXT_PROMPTS = (
+    "The quick brown fox",
+    "Attention layers mix information across positions;",
+    "In a mixture of experts, a router sends every token",
+    "Once upon a time there was a little robot who",
+    "What is the capital of France?",
+    "Numbers such as 1, 2, 3",
+)
+CHAT_MESSAGE = "How many legs does a spider have?"
+# First token id a bench prompt may use: the tiny tokenizer's 6 special tokens come first.
+FIRST_PLAIN_TOKEN_ID = 6
+TINY_VOCAB_SIZE = 512
+
+# Variant names: the baseline everything is compared with, and the candidates.
+BASELINE = "plain_eager"
+COMPARISONS = (("afd_eager", BASELINE), ("plain_graphs", BASELINE), ("pristine_eager", BASELINE))
+
+
+def parse_phases(text: str) -> list[str]:
+    """'tokens,patch' -> ['patch', 'tokens'] (execution order); 'all' -> every phase."""
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    if names == ["all"]:
+        return list(PHASES)
+    unknown = sorted(set(names) - set(PHASES))
+    if unknown or not names:
+        raise ValueError(
+            f"--phases: unknown phase(s) {unknown or '(none given)'}; expected a comma-separated subset "
+            f"of {', '.join(PHASES)} or 'all'. Example: --phases patch,models,tokens"
+        )
+    return [phase for phase in PHASES if phase in names]
+
+
+def parse_int_list(text: str, what: str) -> list[int]:
+    """'1,32' -> [1, 32]; every entry a positive integer."""
+    try:
+        values = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        values = []
+    if not values or any(value <= 0 for value in values):
+        raise ValueError(f"{what}: {text!r} is not a list of positive integers; expected e.g. '1,32'.")
+    return values
+
+
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20,
+          "g": 1 << 30, "gib": 1 << 30}
+
+
+def parse_bytes(text: str) -> int:
+    """'2GiB' / '512m' / '1073741824' -> bytes (binary units)."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _UNITS:
+        raise ValueError(f"size {text!r} is not understood; expected a number with an optional unit "
+                         "(B, KiB, MiB, GiB), e.g. '2GiB'.")
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+def bench_prompt_ids(num_prompts: int, prompt_len: int, seed: int = 0,
+                     vocab_size: int = TINY_VOCAB_SIZE) -> list[list[int]]:
+    """Deterministic token-id prompts of equal length, free of special tokens."""
+    rng = random.Random(seed)
+    return [[rng.randrange(FIRST_PLAIN_TOKEN_ID, vocab_size) for _ in range(prompt_len)]
+            for _ in range(num_prompts)]
+
+
+def first_difference(reference: Sequence[int], candidate: Sequence[int]) -> int | None:
+    """Index of the first differing token (a length difference counts); None when equal."""
+    for index, (ref, cand) in enumerate(zip(reference, candidate)):
+        if ref != cand:
+            return index
+    if len(reference) != len(candidate):
+        return min(len(reference), len(candidate))
+    return None
+
+
+def compare_case(reference: Sequence[Sequence[int] | None], candidate: Sequence[Sequence[int] | None],
+                 context: int = 3) -> dict[str, Any]:
+    """Greedy token agreement of one request case, prompt by prompt."""
+    mismatches = []
+    if len(reference) != len(candidate):
+        return {"num_prompts": len(reference), "num_identical": 0, "mismatches": [],
+                "error": f"prompt counts differ (reference {len(reference)}, candidate {len(candidate)})"}
+    for index, (ref, cand) in enumerate(zip(reference, candidate)):
+        if ref is None or cand is None:
+            mismatches.append({"index": index, "first_diff": None, "error": "no token ids returned"})
+            continue
+        diff = first_difference(ref, cand)
+        if diff is not None:
+            lo = max(0, diff - context)
+            mismatches.append({"index": index, "first_diff": diff, "ref_len": len(ref), "cand_len": len(cand),
+                               "ref_tokens": list(ref[lo:diff + context]),
+                               "cand_tokens": list(cand[lo:diff + context])})
+    return {"num_prompts": len(reference), "num_identical": len(reference) - len(mismatches),
+            "mismatches": mismatches}
+
+
+def compare_variants(reference: Mapping[str, Sequence[Sequence[int] | None]],
+                     candidate: Mapping[str, Sequence[Sequence[int] | None]]) -> dict[str, Any]:
+    """Compare every case both variants ran; `identical` is True only if all prompts of all cases agree."""
+    cases = {name: compare_case(reference[name], candidate[name]) for name in reference if name in candidate}
+    missing = sorted(set(reference) ^ set(candidate))
+    identical = bool(cases) and not missing and all(
+        case["num_identical"] == case["num_prompts"] and "error" not in case for case in cases.values())
+    return {"identical": identical, "cases": cases, "cases_missing": missing}
+
+
+def decode_rate(batch: int, max_tokens: int, full_s: float, prefill_s: float) -> dict[str, float] | None:
+    """Decode tok/s and TPOT from a max_tokens request and a 1-token request of the same prompts.
+
+    Subtracting the 1-token request removes prefill, the first token and HTTP overheads;
+    what is left is max_tokens - 1 decode steps of `batch` sequences.
+    """
+    decode_s = full_s - prefill_s
+    if max_tokens < 2 or decode_s <= 0:
+        return None
+    num_steps = max_tokens - 1
+    return {"tok_s": batch * num_steps / decode_s, "tpot_ms": 1000.0 * decode_s / num_steps}
+
+
+def median_rate(samples: Sequence[Mapping[str, float] | None]) -> dict[str, Any] | None:
+    """Median tok/s and TPOT over repeats (None samples dropped), with the spread."""
+    valid = [s for s in samples if s is not None]
+    if not valid:
+        return None
+    rates = [s["tok_s"] for s in valid]
+    return {"tok_s": statistics.median(rates), "tpot_ms": statistics.median(s["tpot_ms"] for s in valid),
+            "tok_s_min": min(rates), "tok_s_max": max(rates), "num_samples": len(valid)}
+
+
+def ratio(numerator: float | None, denominator: float | None) -> float | None:
+    if numerator is None or not denominator:
+        return None
+    return numerator / denominator
+
+
+def percentiles_ms(samples_s: Sequence[float]) -> dict[str, float]:
+    """p50 / p99 / mean of durations given in seconds, in milliseconds."""
+    ordered = sorted(samples_s)
+    if not ordered:
+        return {}
+    p99 = ordered[min(len(ordered) - 1, int(round(0.99 * (len(ordered) - 1))))]
+    return {"p50": 1000 * statistics.median(ordered), "p99": 1000 * p99, "mean": 1000 * statistics.fmean(ordered)}
+
+
+def serving_per_layer_ms(afd_tpot_ms: float | None, plain_tpot_ms: float | None,
+                         num_crossing_layers: int) -> float | None:
+    """AFD's extra time per decode step spread over the layers that cross (derived, not measured)."""
+    if afd_tpot_ms is None or plain_tpot_ms is None or num_crossing_layers <= 0:
+        return None
+    return (afd_tpot_ms - plain_tpot_ms) / num_crossing_layers
+
+
+# ---------------------------------------------------------------------------------------- markdown
+
+def _fmt(value: Any, digits: int = 3) -> str:
+    if value is None:
+        return "—"
+    if isinstance(value, float):
+        return f"{value:.{digits}g}" if abs(value) < 1e4 else f"{value:.0f}"
+    return str(value)
+
+
+def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(_fmt(cell) for cell in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def _phase_lines(phases: Mapping[str, Any]) -> list[str]:
+    rows = []
+    for name, phase in phases.items():
+        error = (phase.get("error") or "").strip().splitlines()
+        rows.append([name, phase.get("status"), phase.get("seconds"), error[-1][:160] if error else ""])
+    return [markdown_table(["phase", "status", "seconds", "last error line"], rows)]
+
+
+def _token_lines(tokens: Mapping[str, Any]) -> list[str]:
+    rows = []
+    for model, result in tokens.get("models", {}).items():
+        for name, comparison in result.get("comparisons", {}).items():
+            if "error" in comparison:
+                rows.append([model, name, "—", "—", comparison["error"][:120]])
+                continue
+            for case, outcome in comparison["cases"].items():
+                diffs = [m.get("first_diff") for m in outcome["mismatches"]]
+                rows.append([model, name, case, f"{outcome['num_identical']}/{outcome['num_prompts']}",
+                             ", ".join(map(str, diffs)) or "identical"])
+    if not rows:
+        return []
+    return ["### Greedy-token agreement", "",
+            markdown_table(["model", "comparison", "case", "identical", "first divergence (per mismatch)"], rows)]
+
+
+def _bench_lines(bench: Mapping[str, Any]) -> list[str]:
+    rows = []
+    for model, result in bench.get("models", {}).items():
+        variants = result.get("variants", {})
+        for batch in result.get("batches", []):
+            def tok_s(name: str) -> float | None:
+                entry = variants.get(name, {}).get(str(batch))
+                return entry["tok_s"] if entry else None
+            rows.append([model, batch, tok_s("plain_eager"), tok_s("plain_graphs"), tok_s("afd_eager"),
+                         ratio(tok_s("afd_eager"), tok_s("plain_eager")),
+                         ratio(tok_s("afd_eager"), tok_s("plain_graphs")),
+                         ratio(tok_s("plain_graphs"), tok_s("plain_eager"))])
+    if not rows:
+        return []
+    return ["### Decode throughput (tok/s, median of repeats; ratios side by side)", "",
+            markdown_table(["model", "batch", "plain eager", "plain graphs", "AFD eager (gloo)",
+                            "AFD / plain eager", "AFD / plain graphs", "graphs / eager"], rows)]
+
+
+def _rtt_lines(rtt: Mapping[str, Any], bench: Mapping[str, Any]) -> list[str]:
+    rows = []
+    for row in rtt.get("rows", []):
+        raw, staged, conn = row.get("raw_host_ms", {}), row.get("raw_staged_ms", {}), row.get("connector_ms", {})
+        rows.append([f"{row['rows']}x{row['hidden']}", raw.get("p50"), staged.get("p50"), conn.get("p50"),
+                     conn.get("p99"), ratio(conn.get("p50"), staged.get("p50"))])
+    lines = []
+    if rows:
+        lines += ["### Per-layer round trip, gloo (ms)", "",
+                  markdown_table(["rows x hidden", "raw host p50", "raw CUDA-staged p50", "connector p50",
+                                  "connector p99", "connector / raw staged"], rows)]
+    derived = []
+    for model, result in bench.get("models", {}).items():
+        for batch, value in result.get("serving_per_layer_ms", {}).items():
+            derived.append([model, batch, value, result.get("num_crossing_layers")])
+    if derived:
+        lines += ["", "Serving-derived AFD cost per crossing layer = (TPOT AFD − TPOT plain eager) / layers:", "",
+                  markdown_table(["model", "batch", "ms per layer", "crossing layers"], derived)]
+    return lines
+
+
+def _server_lines(servers: Mapping[str, Any]) -> list[str]:
+    rows = []
+    for round_name, infos in servers.items():
+        for name, server in infos.items():
+            rows.append([round_name, name, server.get("status"), server.get("startup_s"),
+                         ", ".join(server.get("backends", [])), server.get("graphs_captured"),
+                         server.get("exit_code"), server.get("num_tracebacks")])
+    if not rows:
+        return []
+    return ["### Servers", "", markdown_table(["round", "server", "status", "startup s", "attention backend",
+                                               "graphs captured", "exit code", "tracebacks"], rows)]
+
+
+def render_markdown(summary: Mapping[str, Any]) -> str:
+    """summary.json -> summary.md: phase table, then tokens, throughput, round trips, servers, hooks."""
+    phases = summary.get("phases", {})
+    lines = [f"# GPU end-to-end run ({summary.get('started_at', '?')})", "",
+             f"Device: {summary.get('device', {}).get('name', '?')}; torch "
+             f"{summary.get('device', {}).get('torch', '?')}; phases {', '.join(phases)}.", ""]
+    lines += _phase_lines(phases)
+    for block in (_token_lines(phases.get("tokens", {})), _bench_lines(phases.get("bench", {})),
+                  _rtt_lines(phases.get("rtt", {}), phases.get("bench", {})),
+                  _server_lines(summary.get("servers", {}))):
+        if block:
+            lines += [""] + block
+    hooks = phases.get("hooks")
+    if hooks:
+        lines += ["", "### Hook GPU check", "", f"status: {hooks.get('status')}; result: "
+                  f"{_fmt(hooks.get('result_status'))}"]
+    notes = summary.get("notes", [])
+    if notes:
+        lines += ["", "### Notes", ""] + [f"- {note}" for note in notes]
+    return "\n".join(lines) + "\n"

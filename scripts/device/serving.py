@@ -1,0 +1,274 @@
+"""Servers of one GPU end-to-end round: which `vllm serve` processes, their flags, and the requests.
+
+One round serves one tiny model from up to four processes at once on the one GPU, so that
+every comparison is made between servers that are up at the same time and requests can
+alternate between them (PERF.md run rules):
+
+    plain_eager     patched vLLM, no AFD, --enforce-eager                  (the baseline)
+    plain_graphs    patched vLLM, no AFD, FULL_DECODE_ONLY CUDA graphs     (graphs work in the build)
+    afd_ffn         AFD FFN role, P2pGlooAFDConnector, eager               (serves no requests)
+    afd_attention   AFD attention role, same connector, eager              (variant "afd_eager")
+
+Two NCCL ranks cannot share a GPU, and gloo cannot be captured, so AFD runs eager here;
+AFD with graphs needs P2pNcclAFDConnector on two GPUs.  Every server gets a fixed
+`--kv-cache-memory-bytes` (no memory profiling, so concurrent starts cannot disturb each
+other's KV sizing: AFD_SPEC §9 item 13) and a low `--gpu-memory-utilization`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from e2e_report import CHAT_MESSAGE, TEXT_PROMPTS, bench_prompt_ids, decode_rate, median_rate
+
+# variant name -> the server that answers its requests
+VARIANT_SERVERS = {"plain_eager": "plain_eager", "plain_graphs": "plain_graphs", "afd_eager": "afd_attention",
+                   "pristine_eager": "pristine_eager"}
+AFD_CONNECTOR = "P2pGlooAFDConnector"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ServeSettings:
+    """Flags shared by every server of a round."""
+
+    platform: str = "cuda"  # "cuda" (the H200) or "cpu" (a smoke run of this script)
+    dtype: str | None = None  # None: the checkpoint's dtype
+    max_model_len: int = 1024
+    max_num_seqs: int = 64
+    gpu_mem_util: float = 0.25
+    kv_cache_bytes: int = 2 << 30
+    capture_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+    graph_compile: str = "none"  # "none": -cc.mode 0 (graphs without torch.compile); "vllm": vLLM's default
+    rendezvous_timeout_s: float = 240.0
+    extra_args: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class ServerSpec:
+    """One `vllm serve` process of a round."""
+
+    name: str
+    # Variant whose requests it answers; None for the FFN role.
+    variant: str | None
+    args: tuple[str, ...]
+    env: Mapping[str, str] = field(default_factory=dict)
+
+
+def afd_config_json(role: str, port: int, rendezvous_timeout_s: float) -> str:
+    return json.dumps({"afd": {"role": role, "connector": AFD_CONNECTOR, "host": "127.0.0.1", "port": port,
+                               "rendezvous_timeout_s": rendezvous_timeout_s}}, sort_keys=True)
+
+
+def graph_compilation_json(settings: ServeSettings) -> str:
+    config: dict[str, Any] = {"cudagraph_mode": "FULL_DECODE_ONLY",
+                              "cudagraph_capture_sizes": sorted(settings.capture_sizes)}
+    if settings.graph_compile == "none":
+        config["mode"] = 0
+    return json.dumps(config, sort_keys=True)
+
+
+def server_specs(variants: Sequence[str], settings: ServeSettings, *, afd_port: int,
+                 cpu_env: Mapping[str, str] | None = None) -> list[ServerSpec]:
+    """The processes that serve `variants` (a subset of VARIANT_SERVERS), in start order."""
+    unknown = sorted(set(variants) - set(VARIANT_SERVERS))
+    if unknown:
+        raise ValueError(f"server_specs: unknown variant(s) {unknown}; expected some of {sorted(VARIANT_SERVERS)}.")
+    common = ["--max-model-len", str(settings.max_model_len), "--max-num-seqs", str(settings.max_num_seqs),
+              "--seed", "0", *(["--dtype", settings.dtype] if settings.dtype else [])]
+    memory = []
+    if settings.platform == "cuda":
+        memory = ["--gpu-memory-utilization", str(settings.gpu_mem_util)]
+    kv_bytes = ["--kv-cache-memory-bytes", str(settings.kv_cache_bytes)] if settings.platform == "cuda" else []
+    eager = ["--enforce-eager"]
+    specs = []
+    cpu_env = dict(cpu_env or {})
+    # NOTE: on CPU, each process gets its own core (AFD_SPEC §9 item 14); ignored on CUDA.
+    cores = iter(["0", "1", "0", "1"])
+    for variant in variants:
+        if variant in ("plain_eager", "pristine_eager"):
+            specs.append(ServerSpec(variant, variant, (*common, *memory, *kv_bytes, *eager),
+                                    _cpu_env(settings, cpu_env, cores)))
+        elif variant == "plain_graphs":
+            if settings.platform != "cuda":
+                raise ValueError("server_specs: plain_graphs needs CUDA; drop it on CPU.")
+            specs.append(ServerSpec("plain_graphs", variant, (*common, *memory, *kv_bytes, "--compilation-config",
+                                                              graph_compilation_json(settings))))
+        else:
+            for role, name in (("ffn", "afd_ffn"), ("attention", "afd_attention")):
+                config = afd_config_json(role, afd_port, settings.rendezvous_timeout_s)
+                role_kv = kv_bytes if role == "attention" else []
+                specs.append(ServerSpec(name, variant if role == "attention" else None,
+                                        (*common, *memory, *role_kv, *eager, "--additional-config", config),
+                                        _cpu_env(settings, cpu_env, cores)))
+    return [ServerSpec(s.name, s.variant, (*s.args, *settings.extra_args), s.env) for s in specs]
+
+
+def _cpu_env(settings: ServeSettings, cpu_env: Mapping[str, str], cores: Any) -> dict[str, str]:
+    if settings.platform != "cpu":
+        return {}
+    return {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": next(cores), **cpu_env}
+
+
+# ------------------------------------------------------------------------------------ processes
+
+def start_servers(specs: Sequence[ServerSpec], model_dir: Path, *, base_env: Mapping[str, str], logs_dir: Path,
+                  prefix: str, launcher: str, startup_timeout_s: float,
+                  on_spawn: Callable[[int], None] = lambda pid: None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Start every spec at once (threads), wait for each to be healthy; returns (servers, infos).
+
+    `on_spawn(pid)` is called (from this thread) for each process as soon as it exists: servers
+    run in their own sessions, so the caller must be able to find them if this process is killed.
+    """
+    from vllm_afd.testing.server import VllmServer
+
+    servers = {spec.name: VllmServer(model_dir, extra_args=spec.args, env={**base_env, **spec.env},
+                                     python=sys.executable, log_path=logs_dir / f"{prefix}-{spec.name}.log",
+                                     launcher=launcher, cpu_defaults=False, startup_timeout_s=startup_timeout_s,
+                                     stop_wait_s=10.0)
+               for spec in specs}
+    infos: dict[str, Any] = {}
+
+    def start(name: str) -> None:
+        started = time.monotonic()
+        try:
+            servers[name].start()
+            infos[name] = {"status": "up", "startup_s": round(time.monotonic() - started, 1)}
+        except Exception as exc:  # noqa: BLE001 - recorded; the round continues with what is up
+            infos[name] = {"status": "failed", "startup_s": round(time.monotonic() - started, 1),
+                           "error": f"{type(exc).__name__}: {exc}"[-4000:]}
+
+    seen: set[int] = set()
+    with ThreadPoolExecutor(max_workers=max(1, len(specs))) as pool:
+        futures = [pool.submit(start, name) for name in servers]
+        while True:
+            for server in servers.values():
+                if server.process is not None and server.process.pid not in seen:
+                    seen.add(server.process.pid)
+                    on_spawn(server.process.pid)
+            if all(future.done() for future in futures):
+                break
+            time.sleep(0.2)
+    for name, server in servers.items():
+        infos[name]["argv"] = server.argv[1:]
+        infos[name]["port"] = server.port
+    return servers, infos
+
+
+def stop_servers(servers: Mapping[str, Any], infos: dict[str, Any]) -> None:
+    """Attention first (the FFN follows it down), then the rest; records exit codes."""
+    order = sorted(servers, key=lambda name: (name != "afd_attention", name == "afd_ffn", name))
+    for name in order:
+        try:
+            infos.setdefault(name, {})["exit_code"] = servers[name].stop()
+        except Exception as exc:  # noqa: BLE001 - a stuck server must not keep the others up
+            infos.setdefault(name, {})["stop_error"] = f"{type(exc).__name__}: {exc}"
+
+
+_BACKEND_RES = (re.compile(r"Using (\w+) attention backend"), re.compile(r"Using AttentionBackendEnum\.(\w+) backend"),
+                re.compile(r"Using (\w+) backend\."))
+_GRAPHS_RE = re.compile(r"Graph capturing finished in (\d+) secs")
+
+
+def scan_log(text: str) -> dict[str, Any]:
+    """Facts a server log states: attention backends, CUDA-graph capture, tracebacks, last error line."""
+    backends: list[str] = []
+    for pattern in _BACKEND_RES:
+        for match in pattern.finditer(text):
+            if match.group(1) not in backends:
+                backends.append(match.group(1))
+    errors = [line for line in text.splitlines() if " ERROR " in line or line.startswith("ERROR")]
+    captured = _GRAPHS_RE.search(text)
+    return {"backends": backends, "graphs_captured": captured is not None,
+            "graph_capture_s": int(captured.group(1)) if captured else None,
+            "num_tracebacks": text.count("Traceback (most recent call last)"),
+            "last_error": errors[-1][-300:] if errors else None}
+
+
+# ------------------------------------------------------------------------------------- requests
+
+def run_token_cases(base_url: str, max_tokens: int, timeout_s: float) -> dict[str, list[list[int] | None]]:
+    """Greedy token ids for the fixed cases: single, batched, streamed, token-id prompts, chat."""
+    from vllm_afd.testing.server import chat, complete_batch
+
+    cases: dict[str, list[list[int] | None]] = {}
+    prompts = list(TEXT_PROMPTS)
+    cases["single"] = [complete_batch(base_url, [p], max_tokens, timeout_s=timeout_s)[0].token_ids for p in prompts]
+    cases["batch"] = [g.token_ids for g in complete_batch(base_url, prompts, max_tokens, timeout_s=timeout_s,
+                                                          ignore_eos=True)]
+    cases["batch_stream"] = [g.token_ids for g in complete_batch(base_url, prompts, max_tokens, stream=True,
+                                                                 timeout_s=timeout_s, ignore_eos=True)]
+    ids = bench_prompt_ids(8, 16, seed=1)
+    cases["token_ids_batch"] = [g.token_ids for g in complete_batch(base_url, ids, max_tokens, timeout_s=timeout_s,
+                                                                    ignore_eos=True)]
+    cases["chat"] = [chat(base_url, CHAT_MESSAGE, max_tokens, timeout_s=timeout_s).token_ids]
+    cases["chat_stream"] = [chat(base_url, CHAT_MESSAGE, max_tokens, stream=True, timeout_s=timeout_s).token_ids]
+    return cases
+
+
+def check_ffn_refuses(ffn_url: str, timeout_s: float = 30.0) -> dict[str, Any]:
+    """AFD_SPEC §6.8: the FFN answers /health 200 and generation with HTTP 400 pointing to the attention."""
+    import requests
+
+    health = requests.get(f"{ffn_url}/health", timeout=timeout_s).status_code
+    response = requests.post(f"{ffn_url}/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=timeout_s)
+    return {"health": health, "completion_status": response.status_code,
+            "points_to_attention": "attention" in response.text and response.status_code == 400,
+            "body": response.text[:400]}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BenchPlan:
+    batches: tuple[int, ...] = (1, 32)
+    max_tokens: int = 128
+    prompt_len: int = 32
+    repeats: int = 3
+    warmup: int = 1
+    timeout_s: float = 120.0
+
+
+def run_decode_bench(urls: Mapping[str, str], plan: BenchPlan,
+                     time_left: Callable[[], float], reserve_s: float = 30.0) -> dict[str, Any]:
+    """Interleaved decode timing: rep -> batch -> variant (rotated per rep), max_tokens vs 1-token requests."""
+    from vllm_afd.testing.server import complete_batch
+
+    variants = list(urls)
+    samples: dict[str, dict[int, list[Any]]] = {v: {b: [] for b in plan.batches} for v in variants}
+    errors: dict[str, str] = {}
+    token_counts_ok = True
+    completed_reps = 0
+    for rep in range(plan.warmup + plan.repeats):
+        if time_left() < reserve_s:
+            break
+        order = variants[rep % len(variants):] + variants[:rep % len(variants)]
+        for batch in plan.batches:
+            prompts = bench_prompt_ids(batch, plan.prompt_len, seed=batch)
+            for variant in order:
+                if variant in errors:
+                    continue
+                try:
+                    started = time.perf_counter()
+                    full = complete_batch(urls[variant], prompts, plan.max_tokens, timeout_s=plan.timeout_s,
+                                          ignore_eos=True)
+                    full_s = time.perf_counter() - started
+                    started = time.perf_counter()
+                    complete_batch(urls[variant], prompts, 1, timeout_s=plan.timeout_s, ignore_eos=True)
+                    prefill_s = time.perf_counter() - started
+                except Exception as exc:  # noqa: BLE001 - one broken server must not void the others
+                    errors[variant] = f"{type(exc).__name__}: {exc}"[-2000:]
+                    continue
+                token_counts_ok &= all(len(g.token_ids or []) == plan.max_tokens for g in full)
+                if rep >= plan.warmup:
+                    samples[variant][batch].append(decode_rate(batch, plan.max_tokens, full_s, prefill_s))
+        completed_reps += 1
+    return {"batches": list(plan.batches), "max_tokens": plan.max_tokens, "prompt_len": plan.prompt_len,
+            "completed_reps": completed_reps, "warmup": plan.warmup, "token_counts_ok": token_counts_ok,
+            "errors": errors,
+            "variants": {v: {str(b): median_rate(s) for b, s in by_batch.items()} for v, by_batch in samples.items()}}

@@ -1,0 +1,98 @@
+"""P2pGlooAFDConnector's protocol across real processes on loopback (AFD_SPEC §3.6-3.8, §4.3-4.5, §8).
+
+Each test runs its ranks on a session pool of spawned workers (tests/connectors/conftest.py). Data is
+checked bit for bit by the attention ranks (tests/connectors/_scenarios.py), payloads by the FFN.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from _harness import expect_ok, free_port
+from _scenarios import exchange, exchange_then_die, garbage_payload, hung_ffn, idle_attention, step_counts
+
+
+def run_exchange(pool, num_attention, num_ffn, *, dtype="bfloat16", num_steps=3, gate=False, num_stages=1,
+                 probe_errors=False, attention_tp=1):
+    """Run ``exchange`` on every rank of an ``num_attention``A``num_ffn``F layout; results by (role, rank)."""
+    port = free_port()
+    ranks = [("ffn", k) for k in range(num_ffn)] + [("attention", j) for j in range(num_attention)]
+    arg_lists = [(role, rank, num_attention, num_ffn, port, dtype, num_steps, gate, num_stages, probe_errors,
+                  attention_tp) for role, rank in ranks]
+    return dict(zip(ranks, expect_ok(pool.run(exchange, arg_lists, timeout_s=90.0))))
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_1a1f_exchanges_every_layer_of_every_step_bit_exact(pool, dtype):
+    results = run_exchange(pool, 1, 1, dtype=dtype, num_steps=4)
+
+    payloads = results[("ffn", 0)]["payloads"]
+    assert [p["step_seq"] for p in payloads] == [0, 1, 2, 3]
+    assert [p["stages"][0] for p in payloads] == [step_counts(step, 0, 1) for step in range(4)]
+    assert all(not result["initialized_after_close"] for result in results.values())
+
+
+def test_2a1f_tp2_router_logits_and_two_stages_with_row_checks(pool):
+    results = run_exchange(pool, 2, 1, gate=True, num_stages=2, probe_errors=True, attention_tp=2)
+
+    payloads = results[("ffn", 0)]["payloads"]
+    assert [(p["is_profile"], p["is_warmup"]) for p in payloads] == [(True, False), (False, True), (False, False)]
+    assert payloads[2]["stages"] == {0: step_counts(2, 0, 1), 1: step_counts(2, 1, 1)}
+    for rank in (0, 1):
+        errors = results[("attention", rank)]["errors"]
+        assert errors[0].startswith("AFD send rows (")
+        assert "differ from the published count" in errors[0]
+        assert errors[1].startswith("router_logits and hidden_states must have equal token counts")
+
+
+def test_3a2f_pairs_data_and_control_ranks_with_idle_dp_ranks(pool):
+    results = run_exchange(pool, 3, 2, num_steps=3)
+
+    for k in (0, 1):
+        payloads = results[("ffn", k)]["payloads"]
+        assert [p["stages"][0] for p in payloads] == [step_counts(step, 0, 3) for step in range(3)]
+    assert 0 in step_counts(0, 0, 3)  # an idle DP rank sent one row and got it back
+
+
+def test_ffn_killed_mid_exchange_is_a_lost_peer_on_the_attention_at_once(pool):
+    port = free_port()
+
+    ffn, attention = pool.run(exchange_then_die, [("ffn", 0, port, 2.0), ("attention", 0, port, 2.0)], 60.0)
+
+    assert ffn == ("exit", 3)
+    status, report = attention
+    assert status == "ok", report
+    assert report["error"].startswith("AFDPeerLostError: AFD peer lost: e2a receive from ffn rank 0 failed")
+    assert report["elapsed_s"] < 2.0  # within peer_timeout_s: the dead peer closed its connections
+    assert report["sticky"] == "AFDPeerLostError"
+
+
+def test_hung_ffn_is_a_step_timeout_then_the_stuck_attention_terminates(pool, tmp_path):
+    port, report = free_port(), tmp_path / "cause.txt"
+    started = time.monotonic()
+
+    ffn, attention = pool.run(hung_ffn, [("ffn", 0, port, str(report)), ("attention", 0, port, str(report))], 60.0)
+
+    assert attention == ("exit", 17)
+    assert report.read_text() == "AFDStepTimeoutError: AFD step 0 did not complete within step_timeout_s=1 (ffn peer rank 0)"
+    assert ffn[0] == "ok", ffn
+    assert time.monotonic() - started < 20.0
+
+
+def test_idle_attention_goes_down_when_the_store_host_dies(pool, tmp_path):
+    port, report = free_port(), tmp_path / "cause.txt"
+
+    ffn, attention = pool.run(idle_attention, [("ffn", 0, port, str(report)), ("attention", 0, port, str(report))], 60.0)
+
+    assert ffn == ("exit", 3)
+    assert attention == ("exit", 18)
+    assert report.read_text().startswith("AFDPeerLostError: AFD peer lost: the rendezvous store at 127.0.0.1:")
+
+
+def test_undecodable_control_bytes_are_a_protocol_error_on_the_ffn(pool):
+    port = free_port()
+
+    ffn, _ = expect_ok(pool.run(garbage_payload, [("ffn", 0, port), ("attention", 0, port)], 60.0))
+
+    assert ffn["error"].startswith("AFDProtocolError: AFD control payload is undecodable")

@@ -1,0 +1,112 @@
+"""Fixtures for tests that start real vLLM OpenAI servers on the tiny checkpoints.
+
+* `vllm_python`: the interpreter that runs vLLM (env `AFD_VLLM_PYTHON`, default this one);
+  every test using it skips with the import error when `import vllm` fails there.
+* `tiny_model_dir(arch)`: builds a tiny checkpoint once (reused across sessions through its
+  recipe hash) under env `AFD_TINY_MODELS_DIR`, default `<repo>/models/` (git-ignored).
+* `record_timing(line)`: adds a line to the "vLLM server timings" section of the summary.
+* `vllm_server_factory(model_dir, ...)`: starts a `VllmServer` with CPU defaults, the model's
+  own serving env (`VLLM_MLA_DISABLE=1` for DeepSeek MHA) and a log under the session's tmp
+  dir; every server still running is stopped at the end of the session.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import pathlib
+import subprocess
+import sys
+from collections.abc import Callable, Iterator, Mapping, Sequence
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+if importlib.util.find_spec("vllm_afd") is None:
+    # NOTE: CI installs the package with `pip install -e .`; this only serves a bare checkout.
+    sys.path.insert(0, str(REPO / "overlay"))
+
+VLLM_IMPORT_TIMEOUT_S = 300.0
+TIMING_LINES = pytest.StashKey[list[str]]()
+
+
+@pytest.fixture(scope="session")
+def vllm_python() -> str:
+    """The interpreter that runs vLLM servers; skip when it cannot import vllm."""
+    python = os.environ.get("AFD_VLLM_PYTHON") or sys.executable
+    try:
+        done = subprocess.run(
+            [python, "-c", "import vllm, sys; sys.stdout.write(vllm.__version__)"],
+            capture_output=True, text=True, timeout=VLLM_IMPORT_TIMEOUT_S,
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        pytest.skip(f"AFD_VLLM_PYTHON={python}: cannot run `import vllm` ({exc})")
+    if done.returncode != 0:
+        tail = "\n".join(done.stderr.strip().splitlines()[-3:])
+        pytest.skip(f"AFD_VLLM_PYTHON={python}: `import vllm` failed:\n{tail}")
+    return python
+
+
+@pytest.fixture(scope="session")
+def tiny_models_root() -> pathlib.Path:
+    return pathlib.Path(os.environ.get("AFD_TINY_MODELS_DIR") or REPO / "models")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tiny_models_root: pathlib.Path) -> Callable[[str], pathlib.Path]:
+    """Build-or-reuse a tiny checkpoint by arch name; returns its directory."""
+    pytest.importorskip("transformers")
+    from vllm_afd.testing.tiny_models import build_tiny_model
+
+    built: dict[str, pathlib.Path] = {}
+
+    def get(arch: str) -> pathlib.Path:
+        if arch not in built:
+            built[arch] = build_tiny_model(arch, tiny_models_root / arch)
+        return built[arch]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def vllm_server_factory(
+    vllm_python: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Callable[..., object]]:
+    """Start servers on tiny models; callers may stop them early, the session stops the rest."""
+    from vllm_afd.testing.server import VllmServer, cpu_server_env
+    from vllm_afd.testing.tiny_models import serve_env
+
+    log_dir = tmp_path_factory.mktemp("vllm_logs")
+    servers: list[VllmServer] = []
+
+    def start(
+        model_dir: pathlib.Path, *, omp_cpus: str | None = "0", extra_args: Sequence[str] = (),
+        env: Mapping[str, str] | None = None, **server_kwargs,
+    ) -> VllmServer:
+        server_env = {**cpu_server_env(omp_cpus=omp_cpus), **serve_env(model_dir), **(env or {})}
+        server = VllmServer(
+            model_dir, env=server_env, extra_args=extra_args, python=vllm_python,
+            log_path=log_dir / f"{pathlib.Path(model_dir).name}-{len(servers)}.log", **server_kwargs,
+        )
+        servers.append(server)
+        server.start()
+        return server
+
+    yield start
+    for server in servers:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def record_timing(pytestconfig: pytest.Config) -> Callable[[str], None]:
+    """Collect one-line timings (startup, generation) for the end-of-run summary."""
+    lines = pytestconfig.stash.setdefault(TIMING_LINES, [])
+    return lines.append
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
+    lines = config.stash.get(TIMING_LINES, [])
+    if lines:
+        terminalreporter.section("vLLM server timings")
+        for line in lines:
+            terminalreporter.write_line(line)

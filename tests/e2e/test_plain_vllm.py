@@ -1,0 +1,137 @@
+"""Plain (non-AFD) vLLM serves both tiny models on CPU with stable greedy tokens.
+
+This is the baseline every AFD end-to-end test compares against: if plain vLLM is not
+deterministic across repeats, batching and streaming, token equality "AFD on vs off"
+means nothing. One server per model, one at a time.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import NamedTuple
+
+import pytest
+
+from vllm_afd.testing.server import VllmServer, chat, complete, complete_batch
+
+pytestmark = pytest.mark.e2e
+
+ARCHS = ["qwen3_moe", "deepseek_v2"]
+MAX_TOKENS = 16
+# Served in bf16, compared with fp32: a near-tie may flip, a wrong kernel misses by far more.
+BF16_LOGIT_TOLERANCE = 0.1
+PROMPTS = [
+    "The quick brown fox",
+    "Once upon a time there was a little robot who",
+    "What is the capital of France?",
+    "1, 2, 3,",
+]
+
+
+class Served(NamedTuple):
+    arch: str
+    model_dir: object  # pathlib.Path of the checkpoint
+    server: VllmServer
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def served(request, tiny_model_dir, vllm_server_factory, record_timing):
+    model_dir = tiny_model_dir(request.param)
+    server = vllm_server_factory(model_dir)
+    started = time.monotonic()
+    first = complete(server.base_url, PROMPTS[0], MAX_TOKENS, ignore_eos=True)
+    generate_s = time.monotonic() - started
+    assert first.token_ids is not None and len(first.token_ids) == MAX_TOKENS, first
+    record_timing(f"plain vLLM {request.param}: startup {server.startup_s:.1f} s, "
+                  f"first {MAX_TOKENS}-token completion {generate_s:.2f} s")
+    yield Served(request.param, model_dir, server)
+    server.stop()
+
+
+def _greedy(served: Served, prompt, **fields):
+    return complete(served.server.base_url, prompt, MAX_TOKENS, ignore_eos=True, **fields)
+
+
+def test_greedy_completion_repeats_exactly(served):
+    first = _greedy(served, PROMPTS[1])
+    second = _greedy(served, PROMPTS[1])
+
+    assert first == second
+    assert len(first.token_ids) == MAX_TOKENS
+    assert first.finish_reason == "length"
+
+
+def test_greedy_tokens_differ_between_prompts(served):
+    generations = [_greedy(served, prompt).token_ids for prompt in PROMPTS]
+
+    assert len({tuple(ids) for ids in generations}) == len(PROMPTS)
+
+
+def test_batched_completions_equal_one_by_one(served):
+    one_by_one = [_greedy(served, prompt) for prompt in PROMPTS]
+
+    batched = complete_batch(served.server.base_url, PROMPTS, MAX_TOKENS, ignore_eos=True)
+
+    assert batched == one_by_one
+
+
+@pytest.mark.parametrize("prompt", PROMPTS[:2])
+def test_streaming_equals_non_streaming(served, prompt):
+    plain = _greedy(served, prompt)
+
+    streamed = complete(served.server.base_url, prompt, MAX_TOKENS, stream=True, ignore_eos=True)
+
+    assert streamed == plain
+
+
+def test_token_id_prompt_equals_text_prompt(served):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(served.model_dir)
+    prompt_ids = tokenizer(PROMPTS[2])["input_ids"]
+
+    by_text = _greedy(served, PROMPTS[2])
+    by_ids = _greedy(served, prompt_ids)
+
+    assert by_text.prompt_token_ids == prompt_ids
+    assert by_ids.token_ids == by_text.token_ids
+
+
+def test_greedy_tokens_are_transformers_top_choices(served):
+    """Teacher-forced against transformers in fp32: every served greedy token is the top
+    choice or within bf16 noise of it (catches CPU kernel bugs, tolerates rounding)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(served.model_dir, dtype=torch.float32)
+    shortfalls = []  # per generated token: max logit - logit of the served token
+    for prompt in PROMPTS:
+        generation = _greedy(served, prompt)
+        num_prompt_tokens = len(generation.prompt_token_ids)
+        ids = torch.tensor([generation.prompt_token_ids + generation.token_ids])
+        with torch.no_grad():
+            logits = model(ids).logits[0, num_prompt_tokens - 1 : -1]  # [MAX_TOKENS, vocab]
+        served_logits = logits.gather(-1, torch.tensor(generation.token_ids)[:, None])[:, 0]
+        shortfalls += (logits.max(-1).values - served_logits).tolist()
+
+    num_exact = sum(s == 0.0 for s in shortfalls)
+    assert max(shortfalls) <= BF16_LOGIT_TOLERANCE, shortfalls
+    assert num_exact >= 0.9 * len(shortfalls), shortfalls
+
+
+def test_chat_completion_uses_the_chat_template(served):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(served.model_dir)
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    expected_prompt_ids = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=True
+    )["input_ids"]
+
+    first = chat(served.server.base_url, messages, MAX_TOKENS, ignore_eos=True)
+    second = chat(served.server.base_url, messages, MAX_TOKENS, ignore_eos=True)
+    streamed = chat(served.server.base_url, messages, MAX_TOKENS, stream=True, ignore_eos=True)
+
+    assert first.prompt_token_ids == expected_prompt_ids
+    assert len(first.token_ids) == MAX_TOKENS
+    assert first == second == streamed

@@ -1,0 +1,126 @@
+"""The attention-side proxies drive the transport ops in order (AFD_SPEC §4.6, §7.4).
+
+The real `vllm_afd::afd_send` / `afd_recv` ops need a connector; here a child process
+registers recording stand-ins under those names (never in this process, where the real ops
+may be registered) and reports what the proxies did, eagerly and under `torch.compile`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+from importlib.metadata import entry_points
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm")
+
+CHILD = textwrap.dedent('''
+    import json, sys
+    import torch
+    from torch.library import Library
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.model_executor.model_loader.utils import process_weights_after_loading
+    from vllm.utils.torch_utils import direct_register_custom_op
+
+    calls = []
+
+    def afd_send(hidden_states: torch.Tensor, router_logits: torch.Tensor | None, layer_idx: int) -> None:
+        calls.append({"op": "send", "layer": layer_idx, "rows": hidden_states.shape[0],
+                      "hidden_sum": float(hidden_states.float().sum()),
+                      "logits_sum": None if router_logits is None else float(router_logits.float().sum())})
+
+    def afd_recv(out: torch.Tensor, layer_idx: int) -> None:
+        calls.append({"op": "recv", "layer": layer_idx, "shape": list(out.shape), "dtype": str(out.dtype)})
+        out.fill_(layer_idx + 0.5)
+
+    lib = Library("vllm_afd", "FRAGMENT")
+    direct_register_custom_op("afd_send", afd_send, mutates_args=["hidden_states"],
+                              fake_impl=lambda hidden_states, router_logits, layer_idx: None,
+                              target_lib=lib, dispatch_key="CPU")
+    direct_register_custom_op("afd_recv", afd_recv, mutates_args=["out"],
+                              fake_impl=lambda out, layer_idx: None, target_lib=lib, dispatch_key="CPU")
+
+    from vllm_afd.models.proxy import RemoteFFNProxy
+    from vllm_afd.models.qwen3_moe import AFDQwen3MoeProxy
+
+    report = {}
+    hidden = torch.randn(5, 128, dtype=torch.bfloat16)
+    out = RemoteFFNProxy(3)(hidden)
+    report["dense"] = {"calls": calls[:], "out": float(out.float().mean()), "dtype": str(out.dtype),
+                       "hidden_sum": float(hidden.float().sum())}
+
+    calls.clear()
+    config = EngineArgs(model=sys.argv[1], enforce_eager=True, skip_tokenizer_init=True,
+                        additional_config={"afd": {"role": "attention",
+                                                   "connector": "P2pGlooAFDConnector"}}).create_engine_config()
+    with set_current_vllm_config(config), torch.device("cpu"):
+        init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+                                     distributed_init_method="tcp://127.0.0.1:" + sys.argv[2])
+        ensure_model_parallel_initialized(1, 1)
+        torch.set_default_dtype(torch.bfloat16)
+        proxy = AFDQwen3MoeProxy(config, "model.layers.1.mlp", gate_on_attention=True)
+        torch.nn.init.normal_(proxy.gate.weight)
+        process_weights_after_loading(proxy, config.model_config, torch.device("cpu"))
+    out = proxy(hidden)
+    logits, _ = proxy.gate(hidden)
+    report["moe"] = {"calls": calls[:], "logits_sum": float(logits.float().sum()), "out": float(out.float().mean())}
+
+    calls.clear()
+    compiled = torch.compile(RemoteFFNProxy(2), fullgraph=True, dynamic=True, backend="eager")
+    outs = [float(compiled(torch.randn(n, 128, dtype=torch.bfloat16)).float().mean()) for n in (3, 9)]
+    report["compiled"] = {"calls": calls[:], "outs": outs}
+    print("REPORT " + json.dumps(report))
+''')
+
+
+@pytest.fixture(scope="module")
+def report(tiny_model_dirs):
+    others = [ep.name for ep in entry_points(group="vllm.general_plugins") if ep.name != "afd"]
+    env = dict(os.environ, VLLM_PLUGINS=",".join(others))
+    overlay = Path(__file__).resolve().parents[2] / "overlay"
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(overlay), env.get("PYTHONPATH")]))
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = str(sock.getsockname()[1])
+    done = subprocess.run([sys.executable, "-c", CHILD, str(tiny_model_dirs["qwen3_moe"]), port],
+                          capture_output=True, text=True, timeout=300, env=env)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("REPORT ")]
+    assert done.returncode == 0 and lines, done.stderr[-3000:]
+    return json.loads(lines[-1][len("REPORT "):])
+
+
+def test_dense_proxy_sends_hidden_then_receives_into_a_fresh_buffer(report):
+    dense = report["dense"]
+
+    assert [call["op"] for call in dense["calls"]] == ["send", "recv"]
+    send, recv = dense["calls"]
+    assert (send["layer"], send["rows"], send["logits_sum"]) == (3, 5, None)
+    assert send["hidden_sum"] == pytest.approx(dense["hidden_sum"])
+    assert (recv["layer"], recv["shape"], recv["dtype"]) == (3, [5, 128], "torch.bfloat16")
+    assert dense["out"] == 3.5 and dense["dtype"] == "torch.bfloat16"
+
+
+def test_moe_proxy_with_the_gate_on_attention_sends_its_router_logits(report):
+    moe = report["moe"]
+
+    assert [call["op"] for call in moe["calls"]] == ["send", "recv"]
+    assert moe["calls"][0]["layer"] == 1
+    assert moe["calls"][0]["logits_sum"] == pytest.approx(moe["logits_sum"], rel=1e-3)
+    assert moe["out"] == 1.5
+
+
+def test_compiled_proxy_calls_the_ops_on_every_forward(report):
+    compiled = report["compiled"]
+
+    assert [(call["op"], call["layer"]) for call in compiled["calls"]] == [
+        ("send", 2), ("recv", 2), ("send", 2), ("recv", 2)]
+    assert [call["rows"] for call in compiled["calls"] if call["op"] == "send"] == [3, 9]
+    assert compiled["outs"] == [2.5, 2.5]

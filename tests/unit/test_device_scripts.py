@@ -1,0 +1,377 @@
+"""scripts/device/: the parts of the GPU evidence run that need no GPU, checked on CPU.
+
+Device minutes are scarce, so whatever can fail before a server starts is tested here: the
+overlay installer (vLLM finds plugins only through entry points), phase and size parsing,
+the token comparison and rate arithmetic, the server flags of a round, log scanning, the
+report, and the orchestrator's skeleton (outputs written, at most 8 files under $OUT).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+ROOT = Path(__file__).resolve().parents[2]
+DEVICE = ROOT / "scripts" / "device"
+sys.path.insert(0, str(DEVICE))
+
+import e2e_report as report  # noqa: E402
+import gpu_e2e  # noqa: E402
+import install_overlay  # noqa: E402
+import serving  # noqa: E402
+from bench_connector_rtt import parse_shapes, run_bench  # noqa: E402
+
+# --------------------------------------------------------------------------- install_overlay
+
+
+def test_read_project_of_the_overlay():
+    info = install_overlay.read_project(ROOT)
+
+    assert info.name == "vllm-afd"
+    assert info.entry_points["vllm.general_plugins"] == {"afd": "vllm_afd.plugin:register"}
+    assert info.package_root == ROOT / "overlay"
+    assert (info.package_root / "vllm_afd" / "__init__.py").is_file()
+
+
+@pytest.fixture(scope="module")
+def bare_python(tmp_path_factory):
+    """An interpreter that has no vllm_afd of its own (a venv without site packages)."""
+    venv = tmp_path_factory.mktemp("bare") / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    return str(venv / "bin" / "python")
+
+
+@pytest.fixture
+def package_root(tmp_path):
+    """The overlay package without the egg-info a local `pip install -e .` leaves in overlay/."""
+    root = tmp_path / "pkgroot"
+    shutil.copytree(ROOT / "overlay" / "vllm_afd", root / "vllm_afd", ignore=shutil.ignore_patterns("__pycache__"))
+    return str(root)
+
+
+def test_installed_entry_point_is_found_by_importlib_metadata(tmp_path, bare_python, package_root):
+    entries = install_overlay.install(ROOT, tmp_path / "site")
+    pythonpath = install_overlay.join_pythonpath([package_root], entries[1:])
+
+    found = install_overlay.discover_entry_points(pythonpath, python=bare_python)
+
+    assert found == {"afd": "vllm_afd.plugin:register"}
+    # The entry point resolves to the real function, and names our dist-info's version.
+    code = ("import importlib.metadata as m; "
+            "(ep,) = m.entry_points(group='vllm.general_plugins', name='afd'); "
+            "print(ep.load().__module__, ep.load().__name__, ep.dist.version)")
+    done = subprocess.run([bare_python, "-c", code], env=dict(os.environ, PYTHONPATH=pythonpath),
+                          capture_output=True, text=True, timeout=60, check=True)
+    assert done.stdout.split() == ["vllm_afd.plugin", "register", "0.1.0"]
+
+
+def test_entry_point_absent_without_the_dist_info(bare_python, package_root):
+    """The check can fail: the package alone on the path registers no plugin."""
+    assert install_overlay.discover_entry_points(package_root, python=bare_python) == {}
+
+
+def test_reinstall_replaces_an_older_dist_info(tmp_path):
+    site = tmp_path / "site"
+    old = site / "vllm_afd-0.0.1.dist-info"
+    old.mkdir(parents=True)
+    (old / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm-afd\nVersion: 0.0.1\n")
+
+    install_overlay.install(ROOT, site)
+
+    assert sorted(p.name for p in site.iterdir()) == ["vllm_afd-0.1.0.dist-info"]
+    dist_info = site / "vllm_afd-0.1.0.dist-info"
+    assert (dist_info / "entry_points.txt").read_text() == "[vllm.general_plugins]\nafd = vllm_afd.plugin:register\n"
+    assert "Name: vllm-afd\nVersion: 0.1.0" in (dist_info / "METADATA").read_text()
+
+
+def test_hook_probe_project_installs_too(tmp_path, bare_python):
+    entries = install_overlay.install(ROOT / "tests" / "hook_probe", tmp_path / "probe-site")
+
+    assert entries[0] == str(ROOT / "tests" / "hook_probe")
+    found = install_overlay.discover_entry_points(os.pathsep.join(entries), python=bare_python)
+    assert found == {"afd_hook_probe": "afd_hook_probe:register"}
+
+
+def test_install_refuses_a_project_without_plugin_or_pyproject(tmp_path):
+    with pytest.raises(FileNotFoundError, match="pyproject.toml does not exist"):
+        install_overlay.install(tmp_path, tmp_path / "site")
+    (tmp_path / "pyproject.toml").write_text('[project]\nname = "x"\nversion = "1"\n')
+    with pytest.raises(ValueError, match="declares no"):
+        install_overlay.install(tmp_path, tmp_path / "site")
+
+
+def test_join_pythonpath_keeps_order_and_drops_repeats():
+    joined = install_overlay.join_pythonpath(["/a", "/b"], None, f"/b{os.pathsep}/c", [], ["/a", ""])
+
+    assert joined.split(os.pathsep) == ["/a", "/b", "/c"]
+
+
+# ------------------------------------------------------------------------------- e2e_report
+
+
+def test_parse_phases_orders_and_rejects():
+    assert report.parse_phases("tokens,patch, models") == ["models", "patch", "tokens"]
+    assert report.parse_phases("all") == list(report.PHASES)
+    assert report.parse_phases(",".join(report.DEFAULT_PHASES))[0] == "models"
+    with pytest.raises(ValueError, match="unknown phase"):
+        report.parse_phases("patch,tokenz")
+    with pytest.raises(ValueError, match="none given"):
+        report.parse_phases(" , ")
+
+
+@pytest.mark.parametrize("text, expected", [("2GiB", 2 << 30), ("512m", 512 << 20), ("1024", 1024),
+                                            ("1.5 GiB", 3 << 29), ("7b", 7)])
+def test_parse_bytes(text, expected):
+    assert report.parse_bytes(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "GiB", "2 TB", "-1G"])
+def test_parse_bytes_rejects(text):
+    with pytest.raises(ValueError, match="not understood"):
+        report.parse_bytes(text)
+
+
+def test_parse_int_list():
+    assert report.parse_int_list("1, 32", "--x") == [1, 32]
+    for bad in ("", "0", "a,1", "-3"):
+        with pytest.raises(ValueError, match="positive integers"):
+            report.parse_int_list(bad, "--x")
+
+
+def test_bench_prompts_are_deterministic_and_plain():
+    prompts = report.bench_prompt_ids(32, 16, seed=5)
+
+    assert prompts == report.bench_prompt_ids(32, 16, seed=5)
+    assert prompts != report.bench_prompt_ids(32, 16, seed=6)
+    assert {len(p) for p in prompts} == {16}
+    assert all(report.FIRST_PLAIN_TOKEN_ID <= t < report.TINY_VOCAB_SIZE for p in prompts for t in p)
+
+
+token_lists = st.lists(st.integers(0, 9), max_size=12)
+
+
+@given(token_lists, token_lists)
+def test_first_difference_is_the_first_disagreement(a, b):
+    diff = report.first_difference(a, b)
+
+    if a == b:
+        assert diff is None
+    else:
+        assert diff is not None and a[:diff] == b[:diff]
+        assert diff == min(len(a), len(b)) or a[diff] != b[diff]
+
+
+def test_compare_case_reports_where_and_what():
+    result = report.compare_case([[1, 2, 3, 4, 5], [7, 7], None], [[1, 2, 9, 4, 5], [7, 7], [1]])
+
+    assert result["num_prompts"] == 3 and result["num_identical"] == 1
+    first, missing = result["mismatches"]
+    assert first["index"] == 0 and first["first_diff"] == 2
+    assert first["ref_tokens"] == [1, 2, 3, 4, 5] and first["cand_tokens"] == [1, 2, 9, 4, 5]
+    assert missing == {"index": 2, "first_diff": None, "error": "no token ids returned"}
+
+
+def test_compare_variants_flags_any_mismatch_or_missing_case():
+    ref = {"single": [[1, 2]], "batch": [[3], [4]]}
+
+    assert report.compare_variants(ref, {"single": [[1, 2]], "batch": [[3], [4]]})["identical"]
+    assert not report.compare_variants(ref, {"single": [[1, 2]], "batch": [[3], [5]]})["identical"]
+    missing = report.compare_variants(ref, {"single": [[1, 2]]})
+    assert not missing["identical"] and missing["cases_missing"] == ["batch"]
+    assert not report.compare_variants(ref, {"single": [[1, 2]], "batch": [[3]]})["identical"]
+
+
+def test_decode_rate_subtracts_the_one_token_request():
+    rate = report.decode_rate(batch=32, max_tokens=129, full_s=1.5, prefill_s=0.5)
+
+    assert rate == pytest.approx({"tok_s": 32 * 128 / 1.0, "tpot_ms": 1000 / 128})
+    assert report.decode_rate(4, 10, full_s=0.5, prefill_s=0.6) is None
+    assert report.decode_rate(4, 1, full_s=0.5, prefill_s=0.1) is None
+
+
+def test_median_rate_and_ratios():
+    samples = [{"tok_s": 10.0, "tpot_ms": 3.0}, None, {"tok_s": 30.0, "tpot_ms": 1.0}, {"tok_s": 20.0, "tpot_ms": 2.0}]
+
+    assert report.median_rate(samples) == {"tok_s": 20.0, "tpot_ms": 2.0, "tok_s_min": 10.0, "tok_s_max": 30.0,
+                                           "num_samples": 3}
+    assert report.median_rate([None]) is None
+    assert report.ratio(3.0, 2.0) == 1.5 and report.ratio(None, 2.0) is None and report.ratio(1.0, 0.0) is None
+    assert report.serving_per_layer_ms(8.0, 5.0, 3) == pytest.approx(1.0)
+    assert report.serving_per_layer_ms(None, 5.0, 3) is None
+
+
+def test_percentiles_ms():
+    result = report.percentiles_ms([0.001 * i for i in range(1, 101)])
+
+    assert result["p50"] == pytest.approx(50.5) and result["p99"] == pytest.approx(99.0)
+    assert report.percentiles_ms([]) == {}
+
+
+def test_render_markdown_shows_tables_and_ratios():
+    comparison = report.compare_variants({"single": [[1, 2, 3]]}, {"single": [[1, 5, 3]]})
+    rate = {"tok_s": 100.0, "tpot_ms": 10.0}
+    summary = {
+        "started_at": "2026-11-29T12:00:00+00:00", "device": {"name": "NVIDIA H200", "torch": "2.11.0"},
+        "phases": {
+            "patch": {"status": "ok", "seconds": 3.0},
+            "tokens": {"status": "ok", "models": {"qwen3_moe": {"comparisons": {"afd_eager_vs_plain_eager": comparison}}}},
+            "bench": {"status": "ok", "models": {"qwen3_moe": {
+                "batches": [32], "variants": {"plain_eager": {"32": rate}, "afd_eager": {"32": {**rate, "tok_s": 80.0}},
+                                              "plain_graphs": {"32": {**rate, "tok_s": 200.0}}},
+                "serving_per_layer_ms": {"32": 0.8}, "num_crossing_layers": 3}}},
+            "rtt": {"status": "ok", "rows": [{"rows": 64, "hidden": 2048, "raw_host_ms": {"p50": 0.4},
+                                              "raw_staged_ms": {"p50": 0.5}, "connector_ms": {"p50": 0.6, "p99": 0.9}}]},
+            "hooks": {"status": "missing", "result_status": "missing"},
+        },
+        "servers": {"qwen3_moe": {"afd_attention": {"status": "up", "startup_s": 41.0, "backends": ["FLASH_ATTN"]}}},
+    }
+
+    text = report.render_markdown(summary)
+
+    assert "NVIDIA H200" in text and "| qwen3_moe | afd_eager_vs_plain_eager | single | 0/1 | 1 |" in text
+    assert "| qwen3_moe | 32 | 100 | 200 | 80 | 0.8 | 0.4 | 2 |" in text
+    assert "| 64x2048 | 0.4 | 0.5 | 0.6 | 0.9 | 1.2 |" in text
+    assert "FLASH_ATTN" in text and "status: missing" in text
+
+
+# ----------------------------------------------------------------------------------- serving
+
+
+def _args_after(args, flag):
+    return args[args.index(flag) + 1]
+
+
+def test_server_specs_of_a_cuda_round():
+    settings = serving.ServeSettings(kv_cache_bytes=1 << 30, capture_sizes=(32, 1, 8))
+
+    specs = {s.name: s for s in serving.server_specs(["plain_eager", "plain_graphs", "afd_eager"], settings,
+                                                      afd_port=6390)}
+
+    assert list(specs) == ["plain_eager", "plain_graphs", "afd_ffn", "afd_attention"]
+    assert specs["afd_ffn"].variant is None and specs["afd_attention"].variant == "afd_eager"
+    for name in ("plain_eager", "afd_ffn", "afd_attention"):
+        assert "--enforce-eager" in specs[name].args
+    graphs = json.loads(_args_after(specs["plain_graphs"].args, "--compilation-config"))
+    assert graphs == {"cudagraph_mode": "FULL_DECODE_ONLY", "cudagraph_capture_sizes": [1, 8, 32], "mode": 0}
+    assert "--enforce-eager" not in specs["plain_graphs"].args
+    for role in ("ffn", "attention"):
+        afd = json.loads(_args_after(specs[f"afd_{role}"].args, "--additional-config"))["afd"]
+        assert afd == {"role": role, "connector": "P2pGlooAFDConnector", "host": "127.0.0.1", "port": 6390,
+                       "rendezvous_timeout_s": 240.0}
+    assert _args_after(specs["afd_attention"].args, "--kv-cache-memory-bytes") == str(1 << 30)
+    assert "--kv-cache-memory-bytes" not in specs["afd_ffn"].args
+    assert all(_args_after(s.args, "--gpu-memory-utilization") == "0.25" for s in specs.values())
+    assert all(s.env == {} for s in specs.values())
+
+
+def test_server_specs_graph_compile_and_extra_args():
+    settings = serving.ServeSettings(graph_compile="vllm", extra_args=("--foo", "1"))
+
+    (spec,) = serving.server_specs(["plain_graphs"], settings, afd_port=1)
+
+    assert "mode" not in json.loads(_args_after(spec.args, "--compilation-config"))
+    assert spec.args[-2:] == ("--foo", "1")
+
+
+def test_server_specs_on_cpu_pin_roles_to_cores_and_refuse_graphs():
+    settings = serving.ServeSettings(platform="cpu")
+
+    specs = serving.server_specs(["plain_eager", "afd_eager"], settings, afd_port=1,
+                                 cpu_env={"VLLM_MLA_DISABLE": "1"})
+
+    ffn, attention = specs[1], specs[2]
+    assert ffn.env["VLLM_CPU_OMP_THREADS_BIND"] != attention.env["VLLM_CPU_OMP_THREADS_BIND"]
+    assert all(s.env["VLLM_MLA_DISABLE"] == "1" for s in specs)
+    assert all("--gpu-memory-utilization" not in s.args and "--kv-cache-memory-bytes" not in s.args for s in specs)
+    with pytest.raises(ValueError, match="needs CUDA"):
+        serving.server_specs(["plain_graphs"], settings, afd_port=1)
+    with pytest.raises(ValueError, match="unknown variant"):
+        serving.server_specs(["afd_graphs"], settings, afd_port=1)
+
+
+def test_scan_log():
+    text = ("INFO 11-29 [cuda.py:538] Using FLASH_ATTN_MLA attention backend out of potential backends: ['A'].\n"
+            "INFO 11-29 [model_runner.py:1066] Graph capturing finished in 3 secs, took 0.05 GiB\n"
+            "Traceback (most recent call last):\nERROR 11-29 [core.py:1] EngineCore failed to start.\n")
+
+    facts = serving.scan_log(text)
+
+    assert facts == {"backends": ["FLASH_ATTN_MLA"], "graphs_captured": True, "graph_capture_s": 3,
+                     "num_tracebacks": 1, "last_error": "ERROR 11-29 [core.py:1] EngineCore failed to start."}
+    assert serving.scan_log("nothing")["graphs_captured"] is False
+
+
+# ------------------------------------------------------------------------------------ gpu_e2e
+
+
+def _parse(*argv):
+    parser = gpu_e2e.build_parser()
+    args = parser.parse_args(["--out", "x", *argv])
+    gpu_e2e.check_args(parser, args)
+    return args
+
+
+def test_cli_defaults_and_checks(capsys):
+    args = _parse()
+    assert args.phases == ["models", "patch", "rtt", "tokens", "bench", "hooks"]
+    assert args.models == ["qwen3_moe", "deepseek_v2_mla"] and args.kv_cache_bytes == 2 << 30
+    assert _parse("--platform", "cpu").variants == ["plain_eager", "afd_eager"]
+    for argv, message in ((["--bench-batches", "1,128"], "exceeds --max-num-seqs"),
+                          (["--phases", "tokens,gpu"], "unknown phase"),
+                          (["--variants", "afd_eager"], "plain_eager plus"),
+                          (["--kv-cache-bytes", "lots"], "not understood")):
+        with pytest.raises(SystemExit):
+            _parse(*argv)
+        assert message in capsys.readouterr().err
+
+
+def test_last_json():
+    assert gpu_e2e.last_json('{"a": 1}') == {"a": 1}
+    assert gpu_e2e.last_json('noise\n{"b": 2}\n{"c": 3}\ntrailer') == {"c": 3}
+    assert gpu_e2e.last_json("no json") is None
+
+
+def test_run_skeleton_writes_outputs_within_device_limits(tmp_path):
+    """A run with only the hook phase (script absent): summary, report and log archive, <= 8 files."""
+    out = tmp_path / "out"
+    code = gpu_e2e.main(["--out", str(out), "--phases", "hooks", "--platform", "cpu", "--work", str(tmp_path / "w"),
+                         "--afd-site", str(tmp_path / "site"), "--vllm-site", str(tmp_path / "vs"),
+                         "--hook-check-script", str(tmp_path / "absent.py"), "--budget-s", "120"])
+
+    summary = json.loads((out / "summary.json").read_text())
+    assert code == 0 and summary["phases"]["hooks"]["status"] == "missing"
+    assert summary["device"]["cuda_available"] is False
+    assert (tmp_path / "site" / "vllm_afd-0.1.0.dist-info" / "entry_points.txt").is_file()
+    files = [p for p in out.rglob("*") if p.is_file()]
+    assert sorted(p.name for p in files) == ["logs.tar.gz", "summary.json", "summary.md"]
+    with tarfile.open(out / "logs.tar.gz") as tar:
+        assert "logs/device-probe.log" in tar.getnames()
+
+
+# ------------------------------------------------------------------------- bench_connector_rtt
+
+
+def test_parse_shapes():
+    assert parse_shapes("1x128, 64X2048") == [(1, 128), (64, 2048)]
+    for bad in ("1x", "0x128", "ax2"):
+        with pytest.raises(ValueError, match="ROWSxHIDDEN"):
+            parse_shapes(bad)
+
+
+def test_connector_bench_runs_on_cpu():
+    """Drives the real gloo protocol between two processes: catches drift of the connector API."""
+    result = run_bench("cpu", [(2, 64)], layers=2, steps=3, warmup=1, timeout_s=120)
+
+    (row,) = result["rows"]
+    assert row["rows"] == 2 and row["hidden"] == 64 and row["bytes"] == 256
+    assert row["raw_host_ms"]["p50"] > 0 and row["connector_ms"]["p50"] > 0
+    assert row["connector_over_raw_p50"] > 0 and "raw_staged_ms" not in row
