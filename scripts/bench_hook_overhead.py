@@ -53,6 +53,16 @@ for line in sys.stdin:
     print("RESULT " + json.dumps({"step_s": sum(itl) / len(itl), "tokens": tokens}), flush=True)
 """
 
+MICRO = """
+import json, timeit
+from vllm.config import VllmConfig
+from vllm.forward_context import create_forward_context
+config = VllmConfig()
+timer = timeit.Timer(lambda: create_forward_context(None, config))
+best = min(timer.repeat(repeat=7, number=20000)) / 20000
+print("RESULT " + json.dumps({"create_forward_context_us": best * 1e6}), flush=True)
+"""
+
 
 class Engine:
     """One long-lived vLLM process answering `max_tokens` requests on stdin."""
@@ -130,6 +140,19 @@ def check_vllm_variant(name: str, python: str, env: dict[str, str], expect_patch
         )
 
 
+def micro_us(name: str, python: str, pythonpath: str | None, timeout_s: float) -> float:
+    """Best per-call time of `create_forward_context` (the only per-step hook on CPU)."""
+    env = dict(os.environ)
+    if pythonpath:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [pythonpath, env.get("PYTHONPATH")]))
+    done = subprocess.run([python, "-c", MICRO], env=env, capture_output=True, text=True,
+                          timeout=timeout_s)
+    lines = [x for x in done.stdout.splitlines() if x.startswith("RESULT ")]
+    if done.returncode != 0 or not lines:
+        raise RuntimeError(f"bench: {name} micro benchmark failed:\n{done.stderr[-2000:]}")
+    return json.loads(lines[0].removeprefix("RESULT "))["create_forward_context_us"]
+
+
 def decode_step_s(engine: Engine, max_tokens: int, repeats: int) -> tuple[float, list[list[int]]]:
     """Fastest of `repeats` generations (other load on the machine only adds time)."""
     results = [engine.generate(max_tokens) for _ in range(repeats)]
@@ -181,6 +204,9 @@ def main(argv: list[str] | None = None) -> int:
         for engine in engines.values():
             engine.close()
 
+    micro = {name: micro_us(name, getattr(args, f"{name}_python"),
+                            getattr(args, f"{name}_pythonpath"), args.timeout_s)
+             for name in ("patched", "pristine")}
     ratios = [r["ratio"] for r in rounds]
     report = {
         "rounds": rounds,
@@ -189,6 +215,9 @@ def main(argv: list[str] | None = None) -> int:
         "max_ratio": max(ratios),
         "median_step_ms": {name: statistics.median(r["step_ms"][name] for r in rounds)
                            for name in ("patched", "pristine")},
+        "ratio_of_median_steps": statistics.median(r["step_ms"]["patched"] for r in rounds)
+        / statistics.median(r["step_ms"]["pristine"] for r in rounds),
+        "create_forward_context_us": micro,
         "tokens_equal": all(r["tokens_equal"] for r in rounds),
         "goal": "median_ratio <= 1.01",
         "settings": {"prompts": len(PROMPTS), "max_tokens": args.max_tokens,

@@ -236,13 +236,14 @@ def _rtt_lines(rtt: Mapping[str, Any], bench: Mapping[str, Any]) -> list[str]:
     rows = []
     for row in rtt.get("rows", []):
         raw, staged, conn = row.get("raw_host_ms", {}), row.get("raw_staged_ms", {}), row.get("connector_ms", {})
+        floor = staged.get("p50") or raw.get("p50")
         rows.append([f"{row['rows']}x{row['hidden']}", raw.get("p50"), staged.get("p50"), conn.get("p50"),
-                     conn.get("p99"), ratio(conn.get("p50"), staged.get("p50"))])
+                     conn.get("p99"), ratio(conn.get("p50"), floor)])
     lines = []
     if rows:
         lines += ["### Per-layer round trip, gloo (ms)", "",
                   markdown_table(["rows x hidden", "raw host p50", "raw CUDA-staged p50", "connector p50",
-                                  "connector p99", "connector / raw staged"], rows)]
+                                  "connector p99", "connector / raw (staged on CUDA) p50"], rows)]
     derived = []
     for model, result in bench.get("models", {}).items():
         for batch, value in result.get("serving_per_layer_ms", {}).items():
@@ -259,11 +260,12 @@ def _server_lines(servers: Mapping[str, Any]) -> list[str]:
         for name, server in infos.items():
             rows.append([round_name, name, server.get("status"), server.get("startup_s"),
                          ", ".join(server.get("backends", [])), server.get("graphs_captured"),
-                         server.get("exit_code"), server.get("num_tracebacks")])
+                         server.get("exit_code"), server.get("num_tracebacks_serving"), server.get("num_tracebacks")])
     if not rows:
         return []
     return ["### Servers", "", markdown_table(["round", "server", "status", "startup s", "attention backend",
-                                               "graphs captured", "exit code", "tracebacks"], rows)]
+                                               "graphs captured", "exit code", "tracebacks serving",
+                                               "tracebacks total"], rows)]
 
 
 def render_markdown(summary: Mapping[str, Any]) -> str:

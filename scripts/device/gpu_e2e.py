@@ -49,26 +49,11 @@ sys.path.insert(0, str(REPO / "overlay"))
 
 import e2e_report as report  # noqa: E402
 import install_overlay  # noqa: E402
-import serving  # noqa: E402
+import phases  # noqa: E402
 
-IMPORT_CHECK = """
-import importlib.metadata as m, json, torch, vllm
-from vllm_afd.pin import check_installed_vllm
-stamp = check_installed_vllm()
-from vllm_afd.plugin import register
-register()
-print(json.dumps({"vllm": vllm.__version__, "vllm_file": vllm.__file__, "torch": torch.__version__,
-                  "patches": [p["name"] for p in stamp["patches"]],
-                  "entry_points": {e.name: e.value for e in m.entry_points(group="vllm.general_plugins")}}))
-"""
-DEVICE_PROBE = """
-import json, torch
-cuda = torch.cuda.is_available()
-print(json.dumps({"torch": torch.__version__, "cuda": torch.version.cuda, "cuda_available": cuda,
-                  "name": torch.cuda.get_device_name(0) if cuda else "cpu",
-                  "capability": list(torch.cuda.get_device_capability(0)) if cuda else None}))
-"""
-STAMP = Path("vllm") / "_afd_provenance.json"
+
+# Seconds kept free at the end of a device command: stopping servers and packing the logs.
+COMMAND_RESERVE_S = 45.0
 
 
 class Terminated(BaseException):
@@ -86,6 +71,10 @@ class Run:
         self.args = args
         self.started = time.monotonic()
         self.deadline = self.started + args.budget_s
+        if args.command_start is not None:
+            # NOTE: the device kills the whole command at its limit; staging and bootstrap ran before us.
+            command_left = args.command_start + args.command_limit_s - COMMAND_RESERVE_S - time.time()
+            self.deadline = min(self.deadline, self.started + command_left)
         self.out_dir = Path(args.out).expanduser().resolve()
         self.work_dir = Path(args.work).expanduser().resolve()
         self.logs_dir = self.work_dir / "logs"
@@ -99,7 +88,8 @@ class Run:
         self.summary: dict[str, Any] = {
             "started_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "argv": sys.argv, "platform": args.platform, "vllm_site": str(self.vllm_site),
-            "overlay_pythonpath": self.overlay_entries, "device": {}, "phases": {}, "servers": {}, "notes": [],
+            "overlay_pythonpath": self.overlay_entries, "budget_s": round(self.time_left(), 1),
+            "device": {}, "phases": {}, "servers": {}, "notes": [],
         }
 
     def time_left(self) -> float:
@@ -165,308 +155,6 @@ def _atomic_write(path: Path, text: str) -> None:
     tmp.replace(path)
 
 
-def last_json(text: str) -> Any:
-    """The whole text as JSON, else the last line that parses as a JSON object; None if neither."""
-    try:
-        return json.loads(text)
-    except ValueError:
-        pass
-    for line in reversed(text.strip().splitlines()):
-        if line.startswith("{"):
-            try:
-                return json.loads(line)
-            except ValueError:
-                continue
-    return None
-
-
-# ---------------------------------------------------------------------------------------- phases
-
-def probe_device(run: Run) -> None:
-    """torch's view of the device (and nvidia-smi's), for the report header."""
-    probe = run.run_cmd([sys.executable, "-c", DEVICE_PROBE], env=run.env(overlay=False, vllm=False),
-                        timeout_s=120, log_name="device-probe")
-    info = last_json(probe["stdout"]) or {"error": probe["tail"]}
-    if shutil.which("nvidia-smi"):
-        smi = run.run_cmd(["nvidia-smi", "--query-gpu=name,driver_version,memory.used,memory.total",
-                           "--format=csv,noheader"], env=dict(os.environ), timeout_s=30, log_name="nvidia-smi")
-        info["nvidia_smi"] = smi["stdout"].strip()
-    run.summary["device"] = info
-
-
-def reap_leftovers(run: Run) -> None:
-    """Kill server process groups an earlier, killed invocation of this script left running.
-
-    Servers run in their own sessions, which the device does not end when a command returns;
-    only groups recorded in server-pgids.txt whose leader is still a vLLM server are killed.
-    """
-    if not run.pgid_file.is_file():
-        return
-    reaped = []
-    for line in run.pgid_file.read_text().split():
-        pgid = int(line)
-        cmdline = Path(f"/proc/{pgid}/cmdline")
-        try:
-            alive_vllm = b"vllm" in cmdline.read_bytes()
-        except OSError:
-            alive_vllm = False
-        if alive_vllm:
-            try:
-                os.killpg(pgid, signal.SIGKILL)
-                reaped.append(pgid)
-            except ProcessLookupError:
-                pass
-    run.pgid_file.unlink()
-    if reaped:
-        run.summary["notes"].append(f"killed leftover server process groups of an earlier run: {reaped}")
-
-
-def ensure_unidiff(run: Run) -> list[str]:
-    """scripts/apply_patches.py needs unidiff, which the GPU image lacks: install a carried wheel."""
-    if run.run_cmd([sys.executable, "-c", "import unidiff"], env=dict(os.environ), timeout_s=60,
-                   log_name="unidiff-probe")["rc"] == 0:
-        return []
-    wheels = sorted(Path(run.args.extra_wheels).expanduser().glob("unidiff-*.whl"))
-    if not wheels:
-        raise RuntimeError(
-            f"gpu_e2e patch: unidiff is not importable and {run.args.extra_wheels} holds no unidiff-*.whl; "
-            "expected a carried wheel. On the CPU machine: python3 -m pip download --no-deps unidiff==1.0.1 "
-            "-d .devstage/extras, then carry .devstage/extras with this run.")
-    target = run.work_dir / "tools"
-    done = run.run_cmd([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--upgrade",
-                        "--target", str(target), str(wheels[-1])], env=dict(os.environ), timeout_s=120,
-                       log_name="unidiff-install")
-    if done["rc"] != 0:
-        raise RuntimeError(f"gpu_e2e patch: installing {wheels[-1].name} failed (rc {done['rc']}): {done['tail']}")
-    return [str(target)]
-
-
-def apply_patches(run: Run, *, reverse: bool) -> dict[str, Any]:
-    run.tool_entries = ensure_unidiff(run)
-    argv = [sys.executable, str(REPO / "scripts" / "apply_patches.py"), "--apply-to", str(run.vllm_site)]
-    env = dict(os.environ, PYTHONPATH=install_overlay.join_pythonpath(run.tool_entries, os.environ.get("PYTHONPATH")))
-    done = run.run_cmd(argv + (["--reverse"] if reverse else []), env=env, timeout_s=180,
-                       log_name="apply-patches-reverse" if reverse else "apply-patches")
-    if done["rc"] != 0:
-        raise RuntimeError(f"apply_patches.py {'--reverse ' if reverse else ''}failed (rc {done['rc']}): {done['tail']}")
-    return {"rc": done["rc"], "output": done["stdout"].strip()[-1500:]}
-
-
-def phase_patch(run: Run) -> dict[str, Any]:
-    result = {"apply": apply_patches(run, reverse=False)}
-    check = run.run_cmd([sys.executable, "-c", IMPORT_CHECK], env=run.env(), timeout_s=240, log_name="import-check")
-    result["import_check"] = last_json(check["stdout"]) or {"rc": check["rc"], "tail": check["tail"]}
-    if check["rc"] != 0:
-        raise RuntimeError(f"import check failed (rc {check['rc']}): {check['tail']}")
-    return result
-
-
-def phase_models(run: Run) -> dict[str, Any]:
-    argv = [sys.executable, str(HERE / "build_models.py"), "--out", str(run.work_dir / "models")]
-    for arch in run.args.models:
-        argv += ["--arch", arch]
-    if run.args.prebuilt_models:
-        argv += ["--prebuilt", str(Path(run.args.prebuilt_models).expanduser().resolve())]
-    done = run.run_cmd(argv, env=run.env(overlay=False, vllm=False, extra=[str(REPO / "overlay")]), timeout_s=300,
-                       log_name="build-models")
-    built = last_json(done["stdout"]) or {}
-    run.models = {arch: info for arch, info in built.items() if "error" not in info}
-    if done["rc"] != 0 or not run.models:
-        raise RuntimeError(f"build_models.py failed (rc {done['rc']}) for "
-                           f"{sorted(set(run.args.models) - set(run.models))}: {done['tail']}")
-    return {"models": built}
-
-
-def phase_rtt(run: Run) -> dict[str, Any]:
-    out_file = run.work_dir / "rtt.json"
-    out_file.unlink(missing_ok=True)
-    device = "cuda" if run.args.platform == "cuda" else "cpu"
-    argv = [sys.executable, str(HERE / "bench_connector_rtt.py"), "--device", device, "--shapes", run.args.rtt_shapes,
-            "--steps", str(run.args.rtt_steps), "--out", str(out_file)]
-    done = run.run_cmd(argv, env=run.env(overlay=False, vllm=False, extra=[str(REPO / "overlay")]), timeout_s=240,
-                       log_name="bench-connector-rtt")
-    if done["rc"] != 0 or not out_file.is_file():
-        raise RuntimeError(f"bench_connector_rtt.py failed (rc {done['rc']}): {done['tail']}")
-    result = json.loads(out_file.read_text())
-    external = REPO / "scripts" / "bench_gloo_roundtrip.py"
-    if external.is_file():
-        helped = run.run_cmd([sys.executable, str(external), "--help"], env=run.env(), timeout_s=60,
-                             log_name="bench-gloo-roundtrip-help")
-        if "--device" in helped["stdout"]:
-            ext = run.run_cmd([sys.executable, str(external), "--device", device,
-                               *shlex.split(run.args.gloo_bench_args)], env=run.env(), timeout_s=180,
-                              log_name="bench-gloo-roundtrip")
-            result["bench_gloo_roundtrip"] = {"rc": ext["rc"], "json": last_json(ext["stdout"]), "tail": ext["tail"]}
-        else:
-            result["bench_gloo_roundtrip"] = {"note": "present without --device; not run on the GPU"}
-    else:
-        result["bench_gloo_roundtrip"] = {"note": "missing"}
-    return result
-
-
-def serve_round(run: Run, arch: str, variants: list[str], *, do_tokens: bool, do_bench: bool, prefix: str,
-                env: dict[str, str]) -> dict[str, Any]:
-    """Start the round's servers together, run the requests, stop them; per-step errors are recorded."""
-    model = run.models[arch]
-    args = run.args
-    settings = serving.ServeSettings(
-        platform=args.platform, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-        gpu_mem_util=args.gpu_mem_util, kv_cache_bytes=args.kv_cache_bytes,
-        capture_sizes=tuple(sorted({1, 2, 4, 8, 16, 32, 64, *args.bench_batches} - {0})),
-        graph_compile=args.graph_compile, rendezvous_timeout_s=max(60.0, args.startup_timeout_s - 30),
-        extra_args=tuple(shlex.split(args.serve_args)))
-    cpu_env = model.get("serve_env", {}) if args.platform == "cpu" else {}
-    specs = serving.server_specs(variants, settings, afd_port=_free_port(), cpu_env=cpu_env)
-    startup_timeout = max(30.0, min(args.startup_timeout_s, run.time_left() - 60))
-    result: dict[str, Any] = {"variants": variants}
-    servers, infos = serving.start_servers(specs, Path(model["path"]), base_env=env, logs_dir=run.logs_dir,
-                                           prefix=prefix, launcher=args.launcher, startup_timeout_s=startup_timeout,
-                                           on_spawn=run.register_server)
-    run.summary["servers"][f"{prefix}"] = infos
-    try:
-        urls = {spec.variant: servers[spec.name].base_url for spec in specs
-                if spec.variant and infos[spec.name]["status"] == "up"}
-        result["variants_up"] = sorted(urls)
-        if "afd_ffn" in servers and infos["afd_ffn"]["status"] == "up":
-            result["ffn_refuses_requests"] = _guarded(lambda: serving.check_ffn_refuses(servers["afd_ffn"].base_url))
-        if do_tokens:
-            result["outputs"] = {}
-            for variant, url in urls.items():
-                result["outputs"][variant] = _guarded(
-                    lambda url=url: serving.run_token_cases(url, args.token_max_tokens, args.request_timeout_s))
-        if do_bench and urls and run.time_left() > 45:
-            plan = serving.BenchPlan(batches=tuple(args.bench_batches), max_tokens=args.bench_tokens,
-                                     prompt_len=args.bench_prompt_len, repeats=args.bench_repeats,
-                                     timeout_s=args.request_timeout_s)
-            result["bench"] = serving.run_decode_bench(urls, plan, run.time_left)
-    finally:
-        serving.stop_servers(servers, infos)
-        for name, server in servers.items():
-            if server.log_path.is_file():
-                infos[name].update(serving.scan_log(server.log_path.read_text(errors="replace")))
-    return result
-
-
-def _guarded(call: Callable[[], Any]) -> Any:
-    try:
-        return call()
-    except Exception as exc:  # noqa: BLE001 - recorded next to the other variants' results
-        return {"error": f"{type(exc).__name__}: {exc}"[-3000:]}
-
-
-def _free_port() -> int:
-    from vllm_afd.testing.server import free_port
-
-    return free_port()
-
-
-def phase_serve(run: Run, do_tokens: bool, do_bench: bool) -> None:
-    """tokens / bench: one round per model; records both phases model by model."""
-    records = {name: run.summary["phases"].setdefault(name, {"status": "running", "models": {}})
-               for name, wanted in (("tokens", do_tokens), ("bench", do_bench)) if wanted}
-    started = time.monotonic()
-    failures = []
-    for arch in run.args.models:
-        if arch not in run.models:
-            failures.append(f"{arch}: no model (models phase failed or not run)")
-            continue
-        if run.time_left() < run.args.min_round_s:
-            failures.append(f"{arch}: skipped, {run.time_left():.0f} s left < --min-round-s {run.args.min_round_s}")
-            continue
-        try:
-            result = serve_round(run, arch, run.args.variants, do_tokens=do_tokens, do_bench=do_bench,
-                                 prefix=arch, env=run.env())
-        except Exception as exc:  # noqa: BLE001 - the next model still runs
-            failures.append(f"{arch}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}")
-            continue
-        finally:
-            run.save()
-        if do_tokens:
-            records["tokens"]["models"][arch] = tokens_record(result)
-        if do_bench:
-            records["bench"]["models"][arch] = bench_record(result, run.models[arch])
-        run.save()
-    for name, record in records.items():
-        record["seconds"] = round(time.monotonic() - started, 1)
-        done = [m for m in record["models"] if "error" not in record["models"][m]]
-        record["status"] = "ok" if not failures and done else ("partial" if done else "failed")
-        record["error"] = "\n".join(failures) or None
-
-
-def tokens_record(result: dict[str, Any]) -> dict[str, Any]:
-    outputs = result.get("outputs", {})
-    comparisons = {}
-    for candidate, reference in report.COMPARISONS:
-        if candidate in outputs and reference in outputs:
-            ref, cand = outputs[reference], outputs[candidate]
-            if "error" in ref or "error" in cand:
-                comparisons[f"{candidate}_vs_{reference}"] = {"error": ref.get("error") or cand.get("error")}
-            else:
-                comparisons[f"{candidate}_vs_{reference}"] = report.compare_variants(ref, cand)
-    return {"variants_up": result.get("variants_up"), "ffn_refuses_requests": result.get("ffn_refuses_requests"),
-            "comparisons": comparisons, "outputs": outputs}
-
-
-def bench_record(result: dict[str, Any], model: dict[str, Any]) -> dict[str, Any]:
-    bench = result.get("bench") or {"error": "no bench result (no server up or no time left)"}
-    if "variants" in bench:
-        num_layers = int(model["config"]["num_hidden_layers"])
-        bench["num_crossing_layers"] = num_layers
-        variants = bench["variants"]
-        bench["serving_per_layer_ms"] = {}
-        for batch in bench["batches"]:
-            afd, plain = variants.get("afd_eager", {}).get(str(batch)), variants.get("plain_eager", {}).get(str(batch))
-            bench["serving_per_layer_ms"][str(batch)] = report.serving_per_layer_ms(
-                afd and afd["tpot_ms"], plain and plain["tpot_ms"], num_layers)
-    return bench
-
-
-def phase_pristine(run: Run) -> dict[str, Any]:
-    """Plain vLLM on the unpatched tree (overlay not on the path), first model only; `patch` re-applies."""
-    if (run.vllm_site / STAMP).is_file():
-        apply_patches(run, reverse=True)
-    arch = next(a for a in run.args.models if a in run.models)
-    result = serve_round(run, arch, ["pristine_eager"], do_tokens=True, do_bench="bench" in run.args.phases,
-                         prefix=f"pristine-{arch}", env=run.env(overlay=False))
-    return {"model": arch, "outputs": result.get("outputs"), "bench": result.get("bench")}
-
-
-def phase_hooks(run: Run) -> dict[str, Any]:
-    script = Path(run.args.hook_check_script)
-    if not script.is_file():
-        return {"result_status": "missing", "status": "missing"}
-    probe_entries = install_overlay.install(REPO / "tests" / "hook_probe", run.work_dir / "probe-site")
-    json_out = run.work_dir / "hook_check.json"
-    json_out.unlink(missing_ok=True)
-    extra = shlex.split(run.args.hook_check_args.format(json_out=json_out, work=run.work_dir))
-    done = run.run_cmd([sys.executable, str(script), *extra], env=run.env(extra=probe_entries),
-                       timeout_s=run.args.hook_timeout_s, log_name="gpu-hook-check")
-    parsed = json.loads(json_out.read_text()) if json_out.is_file() else last_json(done["stdout"])
-    return {"rc": done["rc"], "result": parsed, "tail": None if parsed is not None else done["tail"],
-            "result_status": "passed" if done["rc"] == 0 else f"rc {done['rc']}",
-            "status": "ok" if done["rc"] == 0 else "failed"}
-
-
-def finalize(run: Run) -> None:
-    """Cross-phase comparisons: pristine vs patched plain vLLM (tokens and tok/s)."""
-    pristine = run.summary["phases"].get("pristine", {})
-    tokens = run.summary["phases"].get("tokens", {}).get("models", {})
-    arch = pristine.get("model")
-    if arch and arch in tokens and pristine.get("outputs"):
-        patched = tokens[arch]["outputs"].get("plain_eager")
-        unpatched = pristine["outputs"].get("pristine_eager")
-        if patched and unpatched and "error" not in patched and "error" not in unpatched:
-            pristine["tokens_vs_patched_plain_eager"] = report.compare_variants(patched, unpatched)
-    bench = run.summary["phases"].get("bench", {}).get("models", {})
-    if arch and arch in bench and pristine.get("bench"):
-        patched_rates = bench[arch].get("variants", {}).get("plain_eager", {})
-        pristine_rates = pristine["bench"].get("variants", {}).get("pristine_eager", {})
-        pristine["patched_over_pristine_tok_s"] = {
-            batch: report.ratio((patched_rates.get(batch) or {}).get("tok_s"), (rate or {}).get("tok_s"))
-            for batch, rate in pristine_rates.items()}
-        run.summary["notes"].append("pristine and patched plain vLLM ran one after the other, not interleaved.")
-
-
 # ------------------------------------------------------------------------------------------- CLI
 
 def _arg(parse: Callable[[str], Any]) -> Callable[[str], Any]:
@@ -502,6 +190,9 @@ def build_parser() -> argparse.ArgumentParser:
     add("--cuda-devices", default="0")
     add("--launcher", choices=("cli", "api_server"), default="cli")
     add("--budget-s", type=float, default=480.0, help="stop starting phases after this many seconds")
+    add("--command-start", type=float, help="epoch seconds the device command began (T0=$(date +%%s) first): "
+        "the budget then also ends --command-limit-s after it, minus a reserve")
+    add("--command-limit-s", type=float, default=600.0)
     add("--min-round-s", type=float, default=120.0, help="time a model round needs to be started")
     add("--startup-timeout-s", type=float, default=240.0)
     add("--request-timeout-s", type=float, default=120.0)
@@ -528,6 +219,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if {"pristine", "tokens", "bench"} & set(args.phases) and "models" not in args.phases:
+        args.phases = report.parse_phases(",".join(["models", *args.phases]))  # cheap: reuses built models
     if args.platform == "cpu" and "plain_graphs" in args.variants:
         args.variants = [v for v in args.variants if v != "plain_graphs"]
     bad = sorted(set(args.variants) - {"plain_eager", "plain_graphs", "afd_eager"})
@@ -548,23 +241,23 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _on_sigterm)
     run = Run(args)
     phase_fns: dict[str, Callable[[Run], dict[str, Any]]] = {
-        "models": phase_models, "pristine": phase_pristine, "patch": phase_patch, "rtt": phase_rtt,
-        "hooks": phase_hooks}
+        "models": phases.phase_models, "pristine": phases.phase_pristine, "patch": phases.phase_patch,
+        "rtt": phases.phase_rtt, "hooks": phases.phase_hooks}
     code = 0
     try:
-        reap_leftovers(run)
-        probe_device(run)
+        phases.reap_leftovers(run)
+        phases.probe_device(run)
         if args.platform == "cuda" and not (run.vllm_site / "vllm").is_dir():
             run.summary["notes"].append(f"{run.vllm_site}/vllm is missing: run bootstrap.py first (README).")
         for phase in args.phases:
             if phase == "bench" and "tokens" in args.phases:
                 continue  # served in the same round as tokens
             if phase in ("tokens", "bench"):
-                phase_serve(run, "tokens" in args.phases, "bench" in args.phases)
+                phases.phase_serve(run, "tokens" in args.phases, "bench" in args.phases)
             else:
                 _record(run, phase, phase_fns[phase])
             run.save()
-        finalize(run)
+        phases.finalize(run)
     except Terminated as exc:
         run.summary["notes"].append(f"terminated by {exc} after {time.monotonic() - run.started:.0f} s")
         code = 124

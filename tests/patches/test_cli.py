@@ -8,7 +8,7 @@ import json
 import os
 
 import pytest
-from conftest import HEADER, make_hook_patch, snapshot, write_series
+from patch_helpers import HEADER, make_hook_patch, snapshot, write_series
 
 import _patchlib as pl
 import _tree

@@ -16,7 +16,7 @@ import sysconfig
 import zipfile
 
 import pytest
-from conftest import ROOT, snapshot, wheel_cache
+from patch_helpers import ROOT, snapshot, wheel_cache
 
 import _patchlib as pl
 import _wheel as wh

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import pytest
-from conftest import HEADER, code_file, hook_edit, write_series
+from patch_helpers import HEADER, code_file, hook_edit, write_series
 
 import _patchlib as pl
 

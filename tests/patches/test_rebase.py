@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import pytest
-from conftest import HEADER, VERSION_PY, make_hook_patch, write_series
+from patch_helpers import HEADER, VERSION_PY, make_hook_patch, write_series
 
 import _patchlib as pl
 import _rebase

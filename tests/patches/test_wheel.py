@@ -10,7 +10,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from conftest import VERSION_PY, code_file, make_hook_patch, pin_text, write_series
+from patch_helpers import VERSION_PY, code_file, make_hook_patch, pin_text, write_series
 
 import _wheel as wh
 

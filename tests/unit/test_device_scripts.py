@@ -14,6 +14,7 @@ import shutil
 import subprocess
 import sys
 import tarfile
+import time
 from pathlib import Path
 
 import pytest
@@ -26,6 +27,7 @@ sys.path.insert(0, str(DEVICE))
 
 import e2e_report as report  # noqa: E402
 import gpu_e2e  # noqa: E402
+import phases  # noqa: E402
 import install_overlay  # noqa: E402
 import serving  # noqa: E402
 from bench_connector_rtt import parse_shapes, run_bench  # noqa: E402
@@ -325,6 +327,8 @@ def test_cli_defaults_and_checks(capsys):
     assert args.phases == ["models", "patch", "rtt", "tokens", "bench", "hooks"]
     assert args.models == ["qwen3_moe", "deepseek_v2_mla"] and args.kv_cache_bytes == 2 << 30
     assert _parse("--platform", "cpu").variants == ["plain_eager", "afd_eager"]
+    assert _parse("--phases", "bench,patch").phases == ["models", "patch", "bench"]
+    assert _parse("--phases", "patch,rtt").phases == ["patch", "rtt"]
     for argv, message in ((["--bench-batches", "1,128"], "exceeds --max-num-seqs"),
                           (["--phases", "tokens,gpu"], "unknown phase"),
                           (["--variants", "afd_eager"], "plain_eager plus"),
@@ -335,9 +339,9 @@ def test_cli_defaults_and_checks(capsys):
 
 
 def test_last_json():
-    assert gpu_e2e.last_json('{"a": 1}') == {"a": 1}
-    assert gpu_e2e.last_json('noise\n{"b": 2}\n{"c": 3}\ntrailer') == {"c": 3}
-    assert gpu_e2e.last_json("no json") is None
+    assert phases.last_json('{"a": 1}') == {"a": 1}
+    assert phases.last_json('noise\n{"b": 2}\n{"c": 3}\ntrailer') == {"c": 3}
+    assert phases.last_json("no json") is None
 
 
 def test_run_skeleton_writes_outputs_within_device_limits(tmp_path):
@@ -355,6 +359,18 @@ def test_run_skeleton_writes_outputs_within_device_limits(tmp_path):
     assert sorted(p.name for p in files) == ["logs.tar.gz", "summary.json", "summary.md"]
     with tarfile.open(out / "logs.tar.gz") as tar:
         assert "logs/device-probe.log" in tar.getnames()
+
+
+def test_run_keeps_inside_the_device_command_limit(tmp_path):
+    """--command-start: a command that began 590 s ago has no time left, so phases are skipped."""
+    out = tmp_path / "out"
+    gpu_e2e.main(["--out", str(out), "--phases", "hooks", "--platform", "cpu", "--work", str(tmp_path / "w"),
+                  "--afd-site", str(tmp_path / "site"), "--vllm-site", str(tmp_path / "vs"),
+                  "--command-start", str(time.time() - 590), "--command-limit-s", "600"])
+
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["budget_s"] < 0
+    assert summary["phases"]["hooks"]["status"] == "skipped"
 
 
 # ------------------------------------------------------------------------- bench_connector_rtt

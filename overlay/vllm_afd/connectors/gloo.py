@@ -4,7 +4,8 @@ Every tensor crosses as a ``uint8`` view of a contiguous CPU tensor, so gloo's d
 matter (bf16 included); CUDA tensors are staged through host memory and copied back. Host-synchronous,
 hence eager only: the CPU path and both roles on one GPU. A dead peer closes its TCP connections, so
 a receive from it fails at once; the watchdog covers a peer that hangs. gloo cannot interrupt a
-blocked receive of its own process, so ``close()`` leaves it to the peer's exit or the watchdog's
+blocked receive of its own process: ``close()`` drops the groups, which fails the peers' pending
+transfers at once, and leaves a local blocked receive to the peer's exit or the watchdog's
 termination fallback.
 """
 
@@ -74,12 +75,16 @@ class GlooTransport(P2pTransport):
         return src
 
     def abort(self) -> None:
-        for group in list(self._groups.values()):
+        groups, self._groups = self._groups, {}
+        for group in groups.values():
             group.abort()
 
     def close(self) -> None:
-        # NOTE: groups are shut down, not dropped: a thread still blocked in a receive keeps using them.
-        for group in list(self._groups.values()):
+        # NOTE: dropping the groups closes their TCP pairs, so peers blocked on us fail at once, and
+        # releases the store (FFN rank 0's server stops). A receive still blocked in this process keeps
+        # what it uses alive and returns when its peer goes away (gloo cannot interrupt it).
+        groups, self._groups = self._groups, {}
+        for group in groups.values():
             group.shutdown()
 
     def _group(self, channel: str) -> Any:

@@ -106,6 +106,7 @@ class NcclTransport(P2pTransport):
 
     def close(self) -> None:
         self.abort()
+        self._comms = {}
 
     def _comm(self, channel: str) -> Any:
         try:

@@ -106,19 +106,26 @@ class P2pProtocol(AFDControlPlane):
                                s.rendezvous_timeout_s)
             )
             try:
-                self.fingerprints = rendezvous.run(self._fingerprint())
-                self._store = rendezvous.store
+                self._store = rendezvous.connect()
+                # NOTE: the watchdog's own connection is opened before the fingerprints are published:
+                # a new TCPStore connection can stall for seconds, and a stall here delays every rank
+                # alike instead of making this rank look silent to peers that already heartbeat.
+                watchdog_store = rendezvous.connect_client()
+                rendezvous.claim()
+                self.fingerprints = rendezvous.exchange_fingerprints(self._fingerprint())
                 self.attention_tp = self.fingerprints[("attention", 0)].tp_size
+                self._watchdog = Watchdog(watchdog_store, self._watchdog_spec(), self._latch)
+                self._watchdog.start()
                 try:
                     self.transport.open(self._store, self.plan, max(rendezvous.remaining_s(), 0.1))
                 except RuntimeError as exc:
                     if rendezvous.remaining_s() < 0.5:  # group creation ran into the deadline
                         raise rendezvous.timeout_error("creating the data and control channels") from exc
                     raise
-                self._watchdog = Watchdog(self._store.clone(), self._watchdog_spec(), self._latch)
-                self._watchdog.start()
+                self._latch.check()  # a peer lost while the channels were built
                 self._initialized = True
             except BaseException:
+                self._latch.close()  # the caller gets this exception: no termination fallback
                 self._release()
                 raise
 

@@ -106,7 +106,7 @@ class Rendezvous:
 
     def connect(self) -> Any:
         """FFN rank 0 listens and hosts the store; every other rank connects, retrying until the deadline."""
-        self.store = self._host_store() if self.spec.is_store_host else self._connect_store()
+        self.store = self._host_store() if self.spec.is_store_host else self.connect_client()
         return self.store
 
     def claim(self) -> None:
@@ -224,7 +224,8 @@ class Rendezvous:
             timeout=self._store_timeout(),
         )
 
-    def _connect_store(self) -> Any:
+    def connect_client(self) -> Any:
+        """A new client connection to the store (FFN rank 0 connects to itself), retrying until the deadline."""
         from torch.distributed import TCPStore
 
         spec = self.spec

@@ -148,9 +148,14 @@ class VllmServer:
 
     def start(self) -> None:
         """Spawn the server and block until /health answers 200 (or raise ServerStartError)."""
+        self.spawn()
+        self.wait_healthy()
+
+    def spawn(self) -> None:
+        """Start the process without waiting (two AFD roles must start side by side)."""
         assert self.process is None, f"VllmServer: already started (pid {self.process.pid})"
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        started = time.monotonic()
+        self._spawned_at = time.monotonic()
         with open(self.log_path, "ab") as log:
             log.write(f"$ {' '.join(self.argv)}\n".encode())
             log.flush()
@@ -158,12 +163,15 @@ class VllmServer:
                 self.argv, env=self.env, stdout=log, stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL, start_new_session=True,
             )
+
+    def wait_healthy(self) -> None:
+        """Block until /health answers 200; stop the server and raise ServerStartError if not."""
         try:
-            self._wait_healthy(started)
+            self._wait_healthy(self._spawned_at)
         except BaseException:
             self.stop()
             raise
-        self.startup_s = time.monotonic() - started
+        self.startup_s = time.monotonic() - self._spawned_at
 
     def _wait_healthy(self, started: float) -> None:
         import requests

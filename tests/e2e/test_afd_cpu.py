@@ -1,0 +1,181 @@
+"""AFD end to end on CPU: real `vllm serve` processes (FFN + attention) on loopback.
+
+The baseline is the same patched vLLM without AFD config; greedy tokens must be equal.
+Each deployment costs two server start-ups (~40 s each here), so one deployment per model
+serves several checks, and the order of roles alternates between the two models.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+import requests
+
+from vllm_afd.plugin import FFN_VETO_MESSAGE
+from vllm_afd.testing.afd import AFDDeployment
+from vllm_afd.testing.server import ServerStartError, chat, complete, complete_batch
+
+pytestmark = pytest.mark.e2e
+
+PROMPTS = ["Hello, my name is", "The capital of France is", "In a shocking finding,",
+           "1 2 3 4 5", "The experts said"]
+MAX_TOKENS = 12
+MODELS = {"qwen3_moe": False, "deepseek_v2": True}  # arch -> start the attention first
+
+
+def greedy_outputs(base_url: str) -> dict[str, list]:
+    """Token ids for the prompts: batched, one by one streaming, and one chat turn."""
+    batched = complete_batch(base_url, PROMPTS, MAX_TOKENS)
+    streamed = [complete(base_url, prompt, MAX_TOKENS, stream=True) for prompt in PROMPTS[:3]]
+    reply = chat(base_url, "Tell me about experts.", MAX_TOKENS)
+    return {
+        "batched": [g.token_ids for g in batched],
+        "streamed": [g.text for g in streamed],
+        "chat": [reply.text],
+    }
+
+
+@pytest.fixture(scope="module", params=sorted(MODELS))
+def arch(request):
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def plain_outputs(arch, tiny_model_dir, vllm_python, tmp_path_factory):
+    from vllm_afd.testing.server import VllmServer, cpu_server_env
+    from vllm_afd.testing.tiny_models import serve_env
+
+    model = tiny_model_dir(arch)
+    log = tmp_path_factory.mktemp(f"plain-{arch}") / "plain.log"
+    with VllmServer(model, python=vllm_python, launcher="cli", log_path=log,
+                    env={**cpu_server_env(omp_cpus="0"), **serve_env(model)}) as server:
+        return greedy_outputs(server.base_url)
+
+
+@pytest.fixture(scope="module")
+def deployment(arch, tiny_model_dir, vllm_python, tmp_path_factory):
+    from vllm_afd.testing.tiny_models import serve_env
+
+    afd = AFDDeployment(tiny_model_dir(arch), python=vllm_python,
+                        log_dir=tmp_path_factory.mktemp(f"afd-{arch}"),
+                        attention_first=MODELS[arch], env=serve_env(tiny_model_dir(arch)))
+    with afd:
+        yield afd
+
+
+def test_afd_tokens_equal_plain_vllm(plain_outputs, deployment):
+    outputs = greedy_outputs(deployment.attention.base_url)
+
+    assert outputs == plain_outputs
+
+
+def test_ffn_server_refuses_generation_and_points_to_attention(deployment):
+    url = deployment.ffn.base_url
+
+    completion = requests.post(f"{url}/v1/completions", timeout=60, json={
+        "model": deployment.ffn.model, "prompt": "Hi", "max_tokens": 4})
+    chat_reply = requests.post(f"{url}/v1/chat/completions", timeout=60, json={
+        "model": deployment.ffn.model, "messages": [{"role": "user", "content": "Hi"}]})
+
+    for response in (completion, chat_reply):
+        assert response.status_code == 400
+        assert FFN_VETO_MESSAGE in response.json()["error"]["message"]
+    assert requests.get(f"{url}/health", timeout=10).status_code == 200
+    assert requests.get(f"{url}/v1/models", timeout=10).status_code == 200
+
+
+def test_attention_fails_at_startup_when_the_ffn_never_starts(tiny_model_dir, vllm_python,
+                                                              tmp_path):
+    afd = AFDDeployment(tiny_model_dir("qwen3_moe"), python=vllm_python, log_dir=tmp_path,
+                        afd_fields={"rendezvous_timeout_s": 8})
+
+    with pytest.raises(ServerStartError):
+        afd.attention.start()
+
+    log = afd.attention.log_path.read_text()
+    assert "AFD rendezvous timed out after 8s" in log or "cannot reach the AFD rendezvous" in log
+    assert afd.attention.process.poll() is not None
+
+
+def test_ffn_serving_another_model_is_refused_by_the_handshake(tiny_model_dir, vllm_python,
+                                                               tmp_path):
+    afd = AFDDeployment(tiny_model_dir("qwen3_moe"), ffn_model=tiny_model_dir("deepseek_v2"),
+                        python=vllm_python, log_dir=tmp_path,
+                        afd_fields={"rendezvous_timeout_s": 120})
+
+    with pytest.raises(ServerStartError):
+        afd.start()
+
+    log = afd.attention.log_path.read_text()
+    assert "AFD configuration mismatch" in log
+    assert "architecture (attention=Qwen3MoeForCausalLM, ffn=DeepseekV2ForCausalLM)" in log
+
+
+def test_two_attention_ranks_share_one_ffn(tiny_model_dir, vllm_python, tmp_path,
+                                           plain_outputs_qwen):
+    afd = AFDDeployment(tiny_model_dir("qwen3_moe"), python=vllm_python, log_dir=tmp_path,
+                        afd_fields={"num_attention_ranks": 2},
+                        attention_args=["--tensor-parallel-size", "2"],
+                        attention_cpus="0|1")
+
+    with afd:
+        batched = complete_batch(afd.attention.base_url, PROMPTS, MAX_TOKENS)
+
+    assert [g.token_ids for g in batched] == plain_outputs_qwen
+
+
+@pytest.fixture(scope="module")
+def plain_outputs_qwen(tiny_model_dir, vllm_python, tmp_path_factory):
+    from vllm_afd.testing.server import VllmServer, cpu_server_env
+
+    log = tmp_path_factory.mktemp("plain-qwen-tp1") / "plain.log"
+    with VllmServer(tiny_model_dir("qwen3_moe"), python=vllm_python, launcher="cli",
+                    log_path=log, env=cpu_server_env(omp_cpus="0")) as server:
+        return [g.token_ids for g in complete_batch(server.base_url, PROMPTS, MAX_TOKENS)]
+
+
+def stream_until_error(base_url: str, model: str, results: list, index: int) -> None:
+    """Stream a long completion; record ("ok"|"error", seconds since the FFN was killed)."""
+    body = {"model": model, "prompt": PROMPTS[index % len(PROMPTS)], "max_tokens": 400,
+            "ignore_eos": True, "stream": True, "temperature": 0}
+    try:
+        with requests.post(f"{base_url}/v1/completions", json=body, stream=True,
+                           timeout=60) as response:
+            for line in response.iter_lines():
+                if line.startswith(b"data: ") and b'"error"' in line:
+                    results[index] = ("error", time.monotonic())
+                    return
+        results[index] = ("ended", time.monotonic())
+    except requests.RequestException:
+        results[index] = ("error", time.monotonic())
+
+
+def test_ffn_killed_mid_stream_ends_every_request_with_an_error(tiny_model_dir, vllm_python,
+                                                                tmp_path):
+    model = tiny_model_dir("qwen3_moe")
+    afd = AFDDeployment(model, python=vllm_python, log_dir=tmp_path)
+    with afd:
+        base_url = afd.attention.base_url
+        results: list = [None] * 3
+        threads = [threading.Thread(target=stream_until_error,
+                                    args=(base_url, str(model), results, i), daemon=True)
+                   for i in range(3)]
+        for thread in threads:
+            thread.start()
+        time.sleep(3.0)  # the requests are decoding now
+
+        killed_at = time.monotonic()
+        afd.ffn.stop()
+        for thread in threads:
+            thread.join(30)
+
+        assert all(result is not None and result[0] == "error" for result in results), results
+        assert max(result[1] for result in results) - killed_at < 10.0
+        health = requests.get(f"{base_url}/health", timeout=10)
+        assert health.status_code in (200, 503)
+        assert afd.attention.process.poll() is None  # the API server stays up
+        log = afd.attention.log_path.read_text()
+        assert "AFD peer lost" in log or "AFDPeerLostError" in log
