@@ -203,10 +203,17 @@ def _token_lines(tokens: Mapping[str, Any]) -> list[str]:
             if "error" in comparison:
                 rows.append([model, name, "—", "—", comparison["error"][:120]])
                 continue
-            for case, outcome in comparison["cases"].items():
+            cases = comparison["cases"]
+            if comparison["identical"]:  # one row for the whole comparison
+                num_prompts = sum(case["num_prompts"] for case in cases.values())
+                rows.append([model, name, f"all {len(cases)} cases", f"{num_prompts}/{num_prompts}", "identical"])
+                continue
+            for case, outcome in cases.items():
                 diffs = [m.get("first_diff") for m in outcome["mismatches"]]
                 rows.append([model, name, case, f"{outcome['num_identical']}/{outcome['num_prompts']}",
                              ", ".join(map(str, diffs)) or "identical"])
+            for case in comparison.get("cases_missing", []):
+                rows.append([model, name, case, "—", "missing on one side"])
     if not rows:
         return []
     return ["### Greedy-token agreement", "",
@@ -259,13 +266,37 @@ def _server_lines(servers: Mapping[str, Any]) -> list[str]:
     for round_name, infos in servers.items():
         for name, server in infos.items():
             rows.append([round_name, name, server.get("status"), server.get("startup_s"),
-                         ", ".join(server.get("backends", [])), server.get("graphs_captured"),
+                         ", ".join(server.get("backends", [])), ", ".join(server.get("moe_backends", [])),
+                         server.get("graphs_captured"),
                          server.get("exit_code"), server.get("num_tracebacks_serving"), server.get("num_tracebacks")])
     if not rows:
         return []
     return ["### Servers", "", markdown_table(["round", "server", "status", "startup s", "attention backend",
-                                               "graphs captured", "exit code", "tracebacks serving",
+                                               "MoE backend", "graphs captured", "exit code", "tracebacks serving",
                                                "tracebacks total"], rows)]
+
+
+def verdict_lines(summary: Mapping[str, Any]) -> list[str]:
+    """One line per model: token agreement of each comparison, the FFN refusal, AFD's tok/s ratios."""
+    phases = summary.get("phases", {})
+    tokens = phases.get("tokens", {}).get("models", {})
+    bench = phases.get("bench", {}).get("models", {})
+    lines = []
+    for model in dict.fromkeys([*tokens, *bench]):
+        parts = []
+        for name, comparison in tokens.get(model, {}).get("comparisons", {}).items():
+            parts.append(f"{name.replace('_vs_', ' vs ')}: "
+                         + ("identical" if comparison.get("identical") else "**DIFFERENT**"))
+        refusal = tokens.get(model, {}).get("ffn_refuses_requests")
+        if refusal is not None:
+            parts.append("FFN refuses requests: " + ("yes" if refusal.get("points_to_attention") else "**no**"))
+        variants = bench.get(model, {}).get("variants", {})
+        for batch in bench.get(model, {}).get("batches", []):
+            afd, plain = (variants.get(v, {}).get(str(batch)) for v in ("afd_eager", "plain_eager"))
+            value = ratio(afd and afd["tok_s"], plain and plain["tok_s"])
+            parts.append(f"AFD/plain eager tok/s at B={batch}: {_fmt(value)}")
+        lines.append(f"- **{model}**: " + "; ".join(parts))
+    return lines
 
 
 def render_markdown(summary: Mapping[str, Any]) -> str:
@@ -275,6 +306,9 @@ def render_markdown(summary: Mapping[str, Any]) -> str:
              f"Device: {summary.get('device', {}).get('name', '?')}; torch "
              f"{summary.get('device', {}).get('torch', '?')}; phases {', '.join(phases)}.", ""]
     lines += _phase_lines(phases)
+    verdict = verdict_lines(summary)
+    if verdict:
+        lines += ["", "### Verdict", ""] + verdict
     for block in (_token_lines(phases.get("tokens", {})), _bench_lines(phases.get("bench", {})),
                   _rtt_lines(phases.get("rtt", {}), phases.get("bench", {})),
                   _server_lines(summary.get("servers", {}))):

@@ -16,6 +16,7 @@ import signal
 import sys
 import time
 import traceback
+import zipfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -107,21 +108,22 @@ def reap_leftovers(run: Run) -> None:
 
 def ensure_unidiff(run: Run) -> list[str]:
     """scripts/apply_patches.py needs unidiff, which the GPU image lacks: install a carried wheel."""
-    if run.run_cmd([sys.executable, "-c", "import unidiff"], env=dict(os.environ), timeout_s=60,
-                   log_name="unidiff-probe")["rc"] == 0:
-        return []
+    target = run.work_dir / "tools"
+    for entries in ([], [str(target)]):  # importable as is, or from an earlier run's install
+        env = dict(os.environ, PYTHONPATH=install_overlay.join_pythonpath(entries, os.environ.get("PYTHONPATH")))
+        if run.run_cmd([sys.executable, "-c", "import unidiff"], env=env, timeout_s=60,
+                       log_name="unidiff-probe")["rc"] == 0:
+            return entries
     wheels = sorted(Path(run.args.extra_wheels).expanduser().glob("unidiff-*.whl"))
     if not wheels:
         raise RuntimeError(
             f"gpu_e2e patch: unidiff is not importable and {run.args.extra_wheels} holds no unidiff-*.whl; "
             "expected a carried wheel. On the CPU machine: python3 -m pip download --no-deps unidiff==1.0.1 "
             "-d .devstage/extras, then carry .devstage/extras with this run.")
-    target = run.work_dir / "tools"
-    done = run.run_cmd([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--upgrade",
-                        "--target", str(target), str(wheels[-1])], env=dict(os.environ), timeout_s=120,
-                       log_name="unidiff-install")
-    if done["rc"] != 0:
-        raise RuntimeError(f"gpu_e2e patch: installing {wheels[-1].name} failed (rc {done['rc']}): {done['tail']}")
+    # NOTE: a pure-Python wheel is a zip of the installed tree: unpacking it needs no pip.
+    shutil.rmtree(target, ignore_errors=True)
+    with zipfile.ZipFile(wheels[-1]) as wheel:
+        wheel.extractall(target)
     return [str(target)]
 
 

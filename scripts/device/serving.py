@@ -174,6 +174,7 @@ def stop_servers(servers: Mapping[str, Any], infos: dict[str, Any]) -> None:
 
 _BACKEND_RES = (re.compile(r"Using (\w+) attention backend"), re.compile(r"Using AttentionBackendEnum\.(\w+) backend"),
                 re.compile(r"Using (\w+) backend\."))
+_MOE_BACKEND_RE = re.compile(r"Using (\w+) MoE backend")
 _GRAPHS_RE = re.compile(r"Graph capturing finished in (\d+) secs")
 
 
@@ -184,9 +185,10 @@ def scan_log(text: str) -> dict[str, Any]:
         for match in pattern.finditer(text):
             if match.group(1) not in backends:
                 backends.append(match.group(1))
+    moe_backends = list(dict.fromkeys(match.group(1) for match in _MOE_BACKEND_RE.finditer(text)))
     errors = [line for line in text.splitlines() if " ERROR " in line or line.startswith("ERROR")]
     captured = _GRAPHS_RE.search(text)
-    return {"backends": backends, "graphs_captured": captured is not None,
+    return {"backends": backends, "moe_backends": moe_backends, "graphs_captured": captured is not None,
             "graph_capture_s": int(captured.group(1)) if captured else None,
             "num_tracebacks": text.count("Traceback (most recent call last)"),
             "last_error": errors[-1][-300:] if errors else None}

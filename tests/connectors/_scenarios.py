@@ -164,7 +164,10 @@ def _report_and_exit(path: str, code: int) -> Any:
 
 def hung_ffn(role: str, rank: int, port: int, report_path: str) -> dict[str, Any]:
     """1A1F after start-up: the FFN takes a layer and sits on it; the attention's step must time out."""
-    settings = make_settings(role, rank, 1, 1, port, step_timeout_s=1.0, peer_timeout_s=1.0)
+    # NOTE: the FFN's long timeouts keep its own watchdog from aborting (which would close the pairs and
+    # unblock the attention's receive); the receive must stay blocked for the termination fallback.
+    timeout_s = 1.0 if role == "attention" else 30.0
+    settings = make_settings(role, rank, 1, 1, port, step_timeout_s=timeout_s, peer_timeout_s=timeout_s)
     protocol = make_protocol(settings, terminate=_report_and_exit(report_path, 17) if role == "attention" else None)
     protocol.init()
     if role == "ffn":

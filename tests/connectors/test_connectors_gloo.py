@@ -55,6 +55,17 @@ def test_3a2f_pairs_data_and_control_ranks_with_idle_dp_ranks(pool):
     assert 0 in step_counts(0, 0, 3)  # an idle DP rank sent one row and got it back
 
 
+def test_undecodable_control_bytes_are_a_protocol_error_on_the_ffn(pool):
+    port = free_port()
+
+    ffn, _ = expect_ok(pool.run(garbage_payload, [("ffn", 0, port), ("attention", 0, port)], 60.0))
+
+    assert ffn["error"].startswith("AFDProtocolError: AFD control payload is undecodable")
+
+
+# ---- failures that kill a worker (kept last: each dead worker is respawned, ~10 s) ----
+
+
 def test_ffn_killed_mid_exchange_is_a_lost_peer_on_the_attention_at_once(pool):
     port = free_port()
 
@@ -88,11 +99,3 @@ def test_idle_attention_goes_down_when_the_store_host_dies(pool, tmp_path):
     assert ffn == ("exit", 3)
     assert attention == ("exit", 18)
     assert report.read_text().startswith("AFDPeerLostError: AFD peer lost: the rendezvous store at 127.0.0.1:")
-
-
-def test_undecodable_control_bytes_are_a_protocol_error_on_the_ffn(pool):
-    port = free_port()
-
-    ffn, _ = expect_ok(pool.run(garbage_payload, [("ffn", 0, port), ("attention", 0, port)], 60.0))
-
-    assert ffn["error"].startswith("AFDProtocolError: AFD control payload is undecodable")

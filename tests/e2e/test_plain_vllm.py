@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 import pytest
 
-from vllm_afd.testing.server import VllmServer, chat, complete, complete_batch
+from vllm_afd.testing.server import ServerStartError, VllmServer, chat, complete, complete_batch
 
 pytestmark = pytest.mark.e2e
 
@@ -38,7 +38,8 @@ class Served(NamedTuple):
 @pytest.fixture(scope="module", params=ARCHS)
 def served(request, tiny_model_dir, vllm_server_factory, record_timing):
     model_dir = tiny_model_dir(request.param)
-    server = vllm_server_factory(model_dir)
+    # NOTE: no general plugins, so an installed vllm_afd cannot change the baseline.
+    server = vllm_server_factory(model_dir, plugins=())
     started = time.monotonic()
     first = complete(server.base_url, PROMPTS[0], MAX_TOKENS, ignore_eos=True)
     generate_s = time.monotonic() - started
@@ -47,6 +48,7 @@ def served(request, tiny_model_dir, vllm_server_factory, record_timing):
                   f"first {MAX_TOKENS}-token completion {generate_s:.2f} s")
     yield Served(request.param, model_dir, server)
     server.stop()
+    assert not server.is_running(), f"processes of group {server.pgid} outlived stop()"
 
 
 def _greedy(served: Served, prompt, **fields):
@@ -137,3 +139,18 @@ def test_chat_completion_uses_the_chat_template(served):
     assert first.prompt_token_ids == expected_prompt_ids
     assert len(first.token_ids) == MAX_TOKENS
     assert first == second == streamed
+
+
+def test_failed_start_raises_at_once_with_the_log_tail(vllm_python, tmp_path):
+    server = VllmServer(
+        tmp_path / "no-such-model", python=vllm_python, plugins=(), log_path=tmp_path / "server.log",
+        startup_timeout_s=240,
+    )
+    started = time.monotonic()
+
+    with pytest.raises(ServerStartError, match=r"server exited during startup \(exit code [1-9]"):
+        server.start()
+
+    assert time.monotonic() - started < 200
+    assert "no-such-model" in server.log_tail()
+    assert not server.is_running()

@@ -55,6 +55,17 @@ def test_lazy_aliases_resolve_to_the_alias_classes():
         assert ModelRegistry.models[alias].load_model_cls() is cls
 
 
+def test_vllm_inspects_each_alias_like_its_native_architecture():
+    register_afd_models()
+
+    for alias in AFD_MODEL_ALIASES:
+        ours = ModelRegistry.models[alias].inspect_model_cls()
+        native = ModelRegistry.models[alias.removeprefix("AFD")].inspect_model_cls()
+        for field in ("is_text_generation_model", "supports_pp", "is_attention_free",
+                      "supports_multimodal", "has_inner_state"):
+            assert getattr(ours, field) == getattr(native, field), (alias, field)
+
+
 COLLISION = textwrap.dedent('''
     from vllm import ModelRegistry
     from vllm_afd.models import register_afd_models

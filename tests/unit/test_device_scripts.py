@@ -220,12 +220,14 @@ def test_percentiles_ms():
 
 def test_render_markdown_shows_tables_and_ratios():
     comparison = report.compare_variants({"single": [[1, 2, 3]]}, {"single": [[1, 5, 3]]})
+    same = report.compare_variants({"single": [[1]], "chat": [[2]]}, {"single": [[1]], "chat": [[2]]})
     rate = {"tok_s": 100.0, "tpot_ms": 10.0}
     summary = {
         "started_at": "2026-11-29T12:00:00+00:00", "device": {"name": "NVIDIA H200", "torch": "2.11.0"},
         "phases": {
             "patch": {"status": "ok", "seconds": 3.0},
-            "tokens": {"status": "ok", "models": {"qwen3_moe": {"comparisons": {"afd_eager_vs_plain_eager": comparison}}}},
+            "tokens": {"status": "ok", "models": {"qwen3_moe": {"comparisons": {"afd_eager_vs_plain_eager": comparison,
+                                                                            "plain_graphs_vs_plain_eager": same}}}},
             "bench": {"status": "ok", "models": {"qwen3_moe": {
                 "batches": [32], "variants": {"plain_eager": {"32": rate}, "afd_eager": {"32": {**rate, "tok_s": 80.0}},
                                               "plain_graphs": {"32": {**rate, "tok_s": 200.0}}},
@@ -240,9 +242,12 @@ def test_render_markdown_shows_tables_and_ratios():
     text = report.render_markdown(summary)
 
     assert "NVIDIA H200" in text and "| qwen3_moe | afd_eager_vs_plain_eager | single | 0/1 | 1 |" in text
+    assert "| qwen3_moe | plain_graphs_vs_plain_eager | all 2 cases | 2/2 | identical |" in text
     assert "| qwen3_moe | 32 | 100 | 200 | 80 | 0.8 | 0.4 | 2 |" in text
     assert "| 64x2048 | 0.4 | 0.5 | 0.6 | 0.9 | 1.2 |" in text
     assert "FLASH_ATTN" in text and "status: missing" in text
+    assert ("- **qwen3_moe**: afd_eager vs plain_eager: **DIFFERENT**; AFD/plain eager tok/s at B=32: 0.8"
+            in text)
 
 
 # ----------------------------------------------------------------------------------- serving
@@ -302,12 +307,15 @@ def test_server_specs_on_cpu_pin_roles_to_cores_and_refuse_graphs():
 
 def test_scan_log():
     text = ("INFO 11-29 [cuda.py:538] Using FLASH_ATTN_MLA attention backend out of potential backends: ['A'].\n"
+            "INFO 11-29 [unquantized.py:319] Using TRITON Unquantized MoE backend out of potential backends\n"
+            "INFO 11-29 [unquantized.py:401] Using TritonExperts MoE backend\n"
             "INFO 11-29 [model_runner.py:1066] Graph capturing finished in 3 secs, took 0.05 GiB\n"
             "Traceback (most recent call last):\nERROR 11-29 [core.py:1] EngineCore failed to start.\n")
 
     facts = serving.scan_log(text)
 
-    assert facts == {"backends": ["FLASH_ATTN_MLA"], "graphs_captured": True, "graph_capture_s": 3,
+    assert facts == {"backends": ["FLASH_ATTN_MLA"], "moe_backends": ["TritonExperts"], "graphs_captured": True,
+                     "graph_capture_s": 3,
                      "num_tracebacks": 1, "last_error": "ERROR 11-29 [core.py:1] EngineCore failed to start."}
     assert serving.scan_log("nothing")["graphs_captured"] is False
 

@@ -1,7 +1,8 @@
 """Liveness of an AFD run (AFD_SPEC.md §3.8): heartbeats, step timeouts, sticky failure, termination.
 
 Goal: a dead or stuck peer is an error within seconds, never a hang. ``Watchdog`` is a daemon thread
-with its own store client: it bumps this rank's heartbeat counter every ``peer_timeout_s / 5`` and
+with its own store client: it bumps this rank's heartbeat counter every ``peer_timeout_s / 5`` (at
+most every 0.5 s, so peers with shorter timeouts than ours never starve) and
 declares a peer lost when its counter stays unchanged for ``peer_timeout_s`` on the local monotonic
 clock (no cross-host clocks) or when the store connection breaks (FFN rank 0, its host, is gone).
 Once every attention rank has flagged "start-up done", it also fails a step or a single transfer
@@ -41,6 +42,9 @@ STARTUP_DONE_KEY = "afd/startup_done"
 TERMINATE_GRACE_S = 2.0
 # Bound on waiting for the channel abort (NCCL abort can block while graphs hold the communicator).
 ABORT_JOIN_S = 5.0
+# Heartbeat period cap: peers may run with other peer_timeout_s values than ours, so beat at least
+# this often whatever our own timeout says (one store add per period: negligible).
+MAX_HEARTBEAT_INTERVAL_S = 0.5
 
 
 def terminate_process(cause: BaseException) -> None:
@@ -222,7 +226,7 @@ class Watchdog:
         last_values: list[int | None] = [None] * len(peer_keys)
         started = self._clock()
         last_change = [started] * len(peer_keys)
-        interval = spec.peer_timeout_s / 5.0
+        interval = min(spec.peer_timeout_s / 5.0, MAX_HEARTBEAT_INTERVAL_S)
         while True:
             try:
                 self._store.add(own_key, 1)

@@ -21,7 +21,13 @@ if TYPE_CHECKING:
 
     from vllm.config import VllmConfig
 
-__all__ = ["AFDCausalLMMixin", "AFDSettings", "mlp_kind", "read_afd_settings"]
+__all__ = [
+    "AFDCausalLMMixin",
+    "AFDSettings",
+    "copy_packed_modules_mapping",
+    "mlp_kind",
+    "read_afd_settings",
+]
 
 
 class AFDSettings(NamedTuple):
@@ -43,6 +49,15 @@ def read_afd_settings(vllm_config: VllmConfig, caller: str) -> AFDSettings:
             "sequence parallelism for MoE on both roles."
         )
     return AFDSettings(afd.role, afd.compute_gate_on_attention)
+
+
+def copy_packed_modules_mapping(native_cls: type) -> dict[str, list[str]]:
+    """An alias's own `packed_modules_mapping`, which its `__init__` may extend in place.
+
+    Native `__init__`s add entries to their class's dict before building modules (quantisation
+    configs hold a reference to it); an alias does the same to a copy, never to the native dict.
+    """
+    return {name: list(parts) for name, parts in native_cls.packed_modules_mapping.items()}
 
 
 def mlp_kind(role: str, gate_on_attention: bool, is_moe: bool) -> str:

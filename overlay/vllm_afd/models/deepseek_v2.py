@@ -48,7 +48,12 @@ from vllm.model_executor.models.utils import (
 )
 from vllm.platforms import current_platform
 
-from vllm_afd.models.base import AFDCausalLMMixin, mlp_kind, read_afd_settings
+from vllm_afd.models.base import (
+    AFDCausalLMMixin,
+    copy_packed_modules_mapping,
+    mlp_kind,
+    read_afd_settings,
+)
 from vllm_afd.models.proxy import RemoteFFNProxy, RemoteMoEProxyMixin
 from vllm_afd.models.split import is_moe_layer
 
@@ -344,9 +349,7 @@ class AFDDeepseekV2ForCausalLM(AFDCausalLMMixin, DeepseekV2ForCausalLM):
 
     afd_architecture = "DeepseekV2ForCausalLM"
     model_cls = AFDDeepseekV2Model
-    # NOTE: our own copy; `__init__` extends it in place before building modules, as the
-    # native class does with its own (quantisation configs hold a reference to it).
-    packed_modules_mapping = {k: list(v) for k, v in DeepseekV2ForCausalLM.packed_modules_mapping.items()}
+    packed_modules_mapping = copy_packed_modules_mapping(DeepseekV2ForCausalLM)
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         nn.Module.__init__(self)
@@ -390,4 +393,4 @@ class AFDDeepseekV3ForCausalLM(AFDDeepseekV2ForCausalLM, DeepseekV3ForCausalLM):
     """AFD alias of `DeepseekV3ForCausalLM` (the V2 machinery; V3 differs only by config)."""
 
     afd_architecture = "DeepseekV3ForCausalLM"
-    packed_modules_mapping = {k: list(v) for k, v in DeepseekV3ForCausalLM.packed_modules_mapping.items()}
+    packed_modules_mapping = copy_packed_modules_mapping(DeepseekV3ForCausalLM)

@@ -34,7 +34,12 @@ from vllm.model_executor.models.utils import (
     maybe_prefix,
 )
 
-from vllm_afd.models.base import AFDCausalLMMixin, mlp_kind, read_afd_settings
+from vllm_afd.models.base import (
+    AFDCausalLMMixin,
+    copy_packed_modules_mapping,
+    mlp_kind,
+    read_afd_settings,
+)
 from vllm_afd.models.proxy import RemoteFFNProxy, RemoteMoEProxyMixin
 from vllm_afd.models.split import is_moe_layer
 
@@ -96,6 +101,11 @@ class AFDQwen3MoeExperts(Qwen3MoeSparseMoeBlock):
         self.ep_size = self.ep_group.size()
         self.n_routed_experts = config.num_experts
         self.is_sequence_parallel = parallel_config.use_sequence_parallel_moe  # False (refused)
+        if self.tp_size > config.num_experts:
+            raise ValueError(
+                f"Tensor parallel size {self.tp_size} is greater than "
+                f"the number of experts {config.num_experts}."
+            )
         self.enable_eplb = parallel_config.enable_eplb
         self.n_logical_experts = self.n_routed_experts
         self.n_redundant_experts = parallel_config.eplb_config.num_redundant_experts
@@ -263,9 +273,7 @@ class AFDQwen3MoeForCausalLM(AFDCausalLMMixin, Qwen3MoeForCausalLM):
     """AFD alias of `Qwen3MoeForCausalLM`: the half of `additional_config["afd"]["role"]`."""
 
     afd_architecture = ARCHITECTURE
-    # NOTE: our own copy; `__init__` extends it in place before building modules, as the
-    # native class does with its own (quantisation configs hold a reference to it).
-    packed_modules_mapping = {k: list(v) for k, v in Qwen3MoeForCausalLM.packed_modules_mapping.items()}
+    packed_modules_mapping = copy_packed_modules_mapping(Qwen3MoeForCausalLM)
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         nn.Module.__init__(self)

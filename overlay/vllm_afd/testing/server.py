@@ -60,14 +60,18 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def cpu_server_env(
-    *, omp_cpus: str | None = "0", kvcache_gib: int = 1, extra: Mapping[str, str] | None = None
+    *, omp_cpus: str | None = "0", kvcache_gib: int = 1, offline: bool = True,
+    extra: Mapping[str, str] | None = None,
 ) -> dict[str, str]:
     """Env vars for a small vLLM CPU server: its OpenMP threads on `omp_cpus`, a small KV cache.
 
     On a 2-core machine give two servers (or the two AFD roles) `omp_cpus="0"` and `"1"`;
-    `omp_cpus=None` leaves vLLM's own choice ("auto").
+    `omp_cpus=None` leaves vLLM's own choice ("auto"). `offline` forbids hub look-ups, which
+    local tiny models never need and which would otherwise wait on network timeouts.
     """
     env = {"VLLM_CPU_KVCACHE_SPACE": str(kvcache_gib)}
+    if offline:
+        env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     if omp_cpus is not None:
         env["VLLM_CPU_OMP_THREADS_BIND"] = omp_cpus
     env.update(extra or {})
@@ -94,7 +98,12 @@ def checkpoint_dtype(model: str | Path) -> str | None:
 
 
 class VllmServer:
-    """A vLLM OpenAI API server in its own process group; use as a context manager."""
+    """A vLLM OpenAI API server in its own process group; use as a context manager.
+
+    `env` is laid over os.environ (and over `cpu_server_env()` when `cpu_defaults`);
+    `extra_args` come after the CPU defaults, so they win. `plugins=None` keeps vLLM's
+    default of loading every installed general plugin.
+    """
 
     def __init__(
         self,
@@ -107,6 +116,7 @@ class VllmServer:
         python: str = sys.executable,
         log_path: Path | None = None,
         launcher: str = "api_server",
+        plugins: Sequence[str] | None = None,
         cpu_defaults: bool = True,
         startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
         stop_wait_s: float = DEFAULT_STOP_WAIT_S,
@@ -132,12 +142,24 @@ class VllmServer:
         if cpu_defaults:
             self.env.update(cpu_server_env())
         self.env.update(env or {})
+        if plugins is not None:
+            # vLLM loads only the general plugins named here; () loads none (a plain baseline).
+            self.env["VLLM_PLUGINS"] = ",".join(plugins)
         self.process: subprocess.Popen | None = None
         self.startup_s: float | None = None  # seconds from spawn to healthy
 
     @property
     def base_url(self) -> str:
         return f"http://{self.host}:{self.port}"
+
+    @property
+    def pgid(self) -> int | None:
+        """The process group of the server and its engine/worker children (None before start)."""
+        return None if self.process is None else self.process.pid
+
+    def is_running(self) -> bool:
+        """True while any process of the server's group is alive."""
+        return self.pgid is not None and _group_alive(self.pgid)
 
     def __enter__(self) -> VllmServer:
         self.start()
@@ -203,6 +225,7 @@ class VllmServer:
         if self.process is None:
             return None
         pgid = self.process.pid  # start_new_session=True: the leader's pid is the group id
+        # NOTE: SIGINT first: uvicorn and vLLM's engine shut down cleanly on it.
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGKILL):
             if not _group_alive(pgid):
                 break
