@@ -69,14 +69,14 @@ def run_mode(name: str, engine: dict, args: argparse.Namespace) -> tuple[list, l
     )
     cfg = {"model": str(args.model_dir), "worker_cls": GPU_WORKER, "engine": engine,
            "prompts": PROMPTS, "max_tokens": args.max_tokens}
-    with (out_dir / "vllm.log").open("w") as log:
+    log_path = out_dir / "vllm.log"  # vLLM logs to stdout; the RESULT line is in there too
+    with log_path.open("w") as log:
         done = subprocess.run([sys.executable, "-c", CHILD, json.dumps(cfg)], env=env,
-                              stdout=subprocess.PIPE, stderr=log, text=True,
-                              timeout=args.timeout_s)
+                              stdout=log, stderr=subprocess.STDOUT, timeout=args.timeout_s)
+    text = log_path.read_text(errors="replace")
     if done.returncode != 0:
-        tail = (out_dir / "vllm.log").read_text(errors="replace")[-3000:]
-        raise SystemExit(f"gpu_hook_check: {name}: vLLM exited with {done.returncode}:\n{tail}")
-    line = next(x for x in done.stdout.splitlines() if x.startswith("RESULT "))
+        raise SystemExit(f"gpu_hook_check: {name}: vLLM exited with {done.returncode}:\n{text[-3000:]}")
+    line = next(x for x in text.splitlines() if x.startswith("RESULT "))
     events = []
     for path in sorted(out_dir.glob("events-*.jsonl")):
         events += [json.loads(x) for x in path.read_text().splitlines() if x]

@@ -38,12 +38,13 @@ def register() -> None:
     global _registered
     if _registered:
         return
+    from vllm_afd.pin import check_installed_vllm
+
+    check_installed_vllm()  # before touching any hook: a clear error on an unpatched vLLM
     from vllm.config.vllm import register_vllm_config_hook
 
     from vllm_afd.models import register_afd_models
-    from vllm_afd.pin import check_installed_vllm
 
-    check_installed_vllm()
     register_afd_models()
     register_vllm_config_hook(apply_afd_config)
     _registered = True

@@ -276,6 +276,17 @@ def _server_lines(servers: Mapping[str, Any]) -> list[str]:
                                                "tracebacks total"], rows)]
 
 
+def _failure_lines(servers: Mapping[str, Any], num_lines: int = 12) -> list[str]:
+    """The end of each failed server's start error (its log tail), so the reply shows the cause."""
+    lines = []
+    for round_name, infos in servers.items():
+        for name, server in infos.items():
+            if server.get("status") == "failed":
+                tail = "\n".join(str(server.get("error", "")).splitlines()[-num_lines:])[-1500:]
+                lines += ["", f"### {round_name} / {name} failed to start", "", "```", tail, "```"]
+    return lines
+
+
 def verdict_lines(summary: Mapping[str, Any]) -> list[str]:
     """One line per model: token agreement of each comparison, the FFN refusal, AFD's tok/s ratios."""
     phases = summary.get("phases", {})
@@ -287,6 +298,9 @@ def verdict_lines(summary: Mapping[str, Any]) -> list[str]:
         for name, comparison in tokens.get(model, {}).get("comparisons", {}).items():
             parts.append(f"{name.replace('_vs_', ' vs ')}: "
                          + ("identical" if comparison.get("identical") else "**DIFFERENT**"))
+        not_up = tokens.get(model, {}).get("variants_not_up")
+        if not_up:
+            parts.append(f"**not up: {', '.join(not_up)}**")
         refusal = tokens.get(model, {}).get("ffn_refuses_requests")
         if refusal is not None:
             parts.append("FFN refuses requests: " + ("yes" if refusal.get("points_to_attention") else "**no**"))
@@ -314,6 +328,7 @@ def render_markdown(summary: Mapping[str, Any]) -> str:
                   _server_lines(summary.get("servers", {}))):
         if block:
             lines += [""] + block
+    lines += _failure_lines(summary.get("servers", {}))
     hooks = phases.get("hooks")
     if hooks:
         lines += ["", "### Hook GPU check", "", f"status: {hooks.get('status')}; result: "

@@ -276,6 +276,9 @@ def phase_serve(run: Run, do_tokens: bool, do_bench: bool) -> None:
             continue
         finally:
             run.save()
+        not_up = sorted(set(result["variants"]) - set(result.get("variants_up", [])))
+        if not_up:
+            failures.append(f"{arch}: servers not up for {', '.join(not_up)} (see the Servers table)")
         if do_tokens:
             records["tokens"]["models"][arch] = tokens_record(result)
         if do_bench:
@@ -298,8 +301,10 @@ def tokens_record(result: dict[str, Any]) -> dict[str, Any]:
                 comparisons[f"{candidate}_vs_{reference}"] = {"error": ref.get("error") or cand.get("error")}
             else:
                 comparisons[f"{candidate}_vs_{reference}"] = report.compare_variants(ref, cand)
-    return {"variants_up": result.get("variants_up"), "ffn_refuses_requests": result.get("ffn_refuses_requests"),
-            "comparisons": comparisons, "outputs": outputs}
+    missing = sorted(set(result["variants"]) - set(result.get("variants_up", [])))
+    return {"variants_up": result.get("variants_up"), "variants_not_up": missing,
+            "ffn_refuses_requests": result.get("ffn_refuses_requests"), "comparisons": comparisons,
+            "outputs": outputs}
 
 
 def bench_record(result: dict[str, Any], model: dict[str, Any]) -> dict[str, Any]:

@@ -148,14 +148,18 @@ def start_servers(specs: Sequence[ServerSpec], model_dir: Path, *, base_env: Map
     seen: set[int] = set()
     with ThreadPoolExecutor(max_workers=max(1, len(specs))) as pool:
         futures = [pool.submit(start, name) for name in servers]
-        while True:
-            for server in servers.values():
-                if server.process is not None and server.process.pid not in seen:
-                    seen.add(server.process.pid)
-                    on_spawn(server.process.pid)
-            if all(future.done() for future in futures):
-                break
-            time.sleep(0.2)
+        try:
+            while True:
+                for server in servers.values():
+                    if server.process is not None and server.process.pid not in seen:
+                        seen.add(server.process.pid)
+                        on_spawn(server.process.pid)
+                if all(future.done() for future in futures):
+                    break
+                time.sleep(0.2)
+        except BaseException:  # SIGTERM or Ctrl-C while starting: take every server down, then re-raise
+            stop_servers(servers, infos)
+            raise
     for name, server in servers.items():
         infos[name]["argv"] = server.argv[1:]
         infos[name]["port"] = server.port

@@ -61,13 +61,14 @@ def make_settings(role: str, role_rank: int, num_attention: int, num_ffn: int, p
 
 
 def make_protocol(settings: P2pSettings, terminate: Callable[[BaseException], None] | None = None,
-                  **fingerprint_overrides: Any) -> P2pProtocol:
-    """A gloo protocol whose fingerprint agrees with ``settings`` (dtype, gate) unless overridden."""
+                  transport_cls: type = GlooTransport, **fingerprint_overrides: Any) -> P2pProtocol:
+    """A protocol (gloo unless told) whose fingerprint agrees with ``settings`` unless overridden."""
     facts = dict(dtype=str(settings.dtype).removeprefix("torch."),
-                 compute_gate_on_attention=settings.compute_gate_on_attention, **fingerprint_overrides)
+                 compute_gate_on_attention=settings.compute_gate_on_attention,
+                 connector=settings.connector_name, **fingerprint_overrides)
     fingerprint = make_fingerprint(settings.role, settings.role_rank, settings.num_attention_ranks,
                                    settings.num_ffn_ranks, **facts)
-    return P2pProtocol(settings, GlooTransport(settings.device), lambda: fingerprint, terminate=terminate)
+    return P2pProtocol(settings, transport_cls(settings.device), lambda: fingerprint, terminate=terminate)
 
 
 def _worker_main(tasks: Any, results: Any) -> None:

@@ -28,14 +28,16 @@ def step_counts(step: int, stage: int, num_attention: int) -> list[int]:
     return [(step * 5 + rank * 3 + stage) % 4 for rank in range(num_attention)]
 
 
-def make_hidden(rank: int, step: int, layer: int, stage: int, num_rows: int, dtype: torch.dtype) -> torch.Tensor:
+def make_hidden(rank: int, step: int, layer: int, stage: int, num_rows: int, dtype: torch.dtype,
+                device: torch.device = torch.device("cpu")) -> torch.Tensor:
     values = (torch.arange(num_rows * HIDDEN_SIZE) + rank * 7 + step * 3 + layer * 5 + stage) % 13 - 6
-    return values.reshape(num_rows, HIDDEN_SIZE).to(dtype)
+    return values.reshape(num_rows, HIDDEN_SIZE).to(device=device, dtype=dtype)
 
 
-def make_logits(rank: int, step: int, layer: int, num_rows: int) -> torch.Tensor:
+def make_logits(rank: int, step: int, layer: int, num_rows: int,
+                device: torch.device = torch.device("cpu")) -> torch.Tensor:
     values = (torch.arange(num_rows * NUM_EXPERTS) + rank + step + layer) % 5
-    return values.reshape(num_rows, NUM_EXPERTS).to(torch.float32)
+    return values.reshape(num_rows, NUM_EXPERTS).to(device=device, dtype=torch.float32)
 
 
 def ffn_compute(hidden: torch.Tensor, logits: torch.Tensor | None, layer: int) -> torch.Tensor:
@@ -47,14 +49,16 @@ def ffn_compute(hidden: torch.Tensor, logits: torch.Tensor | None, layer: int) -
 
 def exchange(role: str, rank: int, num_attention: int, num_ffn: int, port: int, dtype_name: str,
              num_steps: int, gate: bool = False, num_stages: int = 1, probe_errors: bool = False,
-             attention_tp: int = 1) -> dict[str, Any]:
+             attention_tp: int = 1, device_name: str = "cpu") -> dict[str, Any]:
     """One rank of a full run: ``num_steps`` payloads, each followed by every crossing layer's exchanges."""
     dtype = getattr(torch, dtype_name)
+    device = torch.device(device_name)
     layers = crossing_layers(gate)
     num_dp = num_attention // attention_tp
     layout = {"dp_size": num_dp, "tp_size": attention_tp} if role == "attention" else {}
     settings = make_settings(role, rank, num_attention, num_ffn, port, dtype=dtype, compute_gate_on_attention=gate,
-                             exchanges_per_stage=len(layers), dp_size=num_dp if role == "attention" else num_ffn)
+                             exchanges_per_stage=len(layers), dp_size=num_dp if role == "attention" else num_ffn,
+                             device=device)
     protocol = make_protocol(settings, **layout)
     started = time.monotonic()
     protocol.init()
@@ -75,7 +79,7 @@ def exchange(role: str, rank: int, num_attention: int, num_ffn: int, port: int, 
             for stage in range(num_stages):
                 if role == "attention":
                     _attention_exchange(protocol, rank, step, layer, stage, stages[stage][rank // attention_tp], dtype, gate,
-                                        probe_errors and step == 0 and not errors, errors)
+                                        probe_errors and step == 0 and not errors, errors, device)
                 else:
                     _ffn_exchange(protocol, layer, stage, gate)
     protocol.close()
@@ -85,25 +89,27 @@ def exchange(role: str, rank: int, num_attention: int, num_ffn: int, port: int, 
 
 
 def _attention_exchange(protocol: Any, rank: int, step: int, layer: int, stage: int, count: int,
-                        dtype: torch.dtype, gate: bool, probe: bool, errors: list[str]) -> None:
+                        dtype: torch.dtype, gate: bool, probe: bool, errors: list[str], device: torch.device) -> None:
     num_rows = max(1, count)
-    hidden = make_hidden(rank, step, layer, stage, num_rows, dtype)
-    logits = make_logits(rank, step, layer, num_rows) if gate else None
+    hidden = make_hidden(rank, step, layer, stage, num_rows, dtype, device)
+    logits = make_logits(rank, step, layer, num_rows, device) if gate else None
+    context = AFDTransferContext(AFDTransferMetadata.create_attention_metadata(layer, stage, num_rows))
     if probe:  # wrong rows must raise before anything reaches the wire
-        wrong = make_hidden(rank, step, layer, stage, num_rows + 1, dtype)
-        context = AFDTransferContext(AFDTransferMetadata.create_attention_metadata(layer, stage, num_rows + 1))
-        for bad_hidden, bad_logits in ((wrong, None), (hidden, make_logits(rank, step, layer, num_rows + 1))):
+        wrong = make_hidden(rank, step, layer, stage, num_rows + 1, dtype, device)
+        attempts = [(wrong, AFDTransferContext(AFDTransferMetadata.create_attention_metadata(layer, stage, num_rows + 1)),
+                     None)]
+        if gate:
+            attempts.append((hidden, context, make_logits(rank, step, layer, num_rows + 1, device)))
+        for bad_hidden, bad_context, bad_logits in attempts:
             try:
-                protocol.send_attn_output(bad_hidden, context if bad_logits is None else
-                                          AFDTransferContext(AFDTransferMetadata.create_attention_metadata(
-                                              layer, stage, num_rows)), bad_logits if gate else None)
+                protocol.send_attn_output(bad_hidden, bad_context, bad_logits)
             except ValueError as exc:
                 errors.append(str(exc))
-    context = AFDTransferContext(AFDTransferMetadata.create_attention_metadata(layer, stage, num_rows))
     protocol.send_attn_output(hidden, context, logits)
     expected = ffn_compute(hidden, logits, layer)
     out = protocol.recv_ffn_output(hidden, stage)
     assert out.data_ptr() == hidden.data_ptr(), "the result must land in ref_tensor"
+    assert out.device == device, f"result on {out.device}, expected {device}"
     assert torch.equal(out, expected), f"rank {rank} step {step} layer {layer}: wrong FFN result"
 
 
@@ -215,3 +221,19 @@ def garbage_payload(role: str, rank: int, port: int) -> dict[str, Any]:
         return {"error": None}
     finally:
         protocol.close()
+
+
+def nccl_on_one_gpu(role: str, rank: int, port: int) -> str:
+    """1A1F with both ranks on cuda:0 over NCCL: both must refuse, naming the fix."""
+    from vllm_afd.connectors.nccl import NcclTransport
+
+    settings = make_settings(role, rank, 1, 1, port, device=torch.device("cuda", 0), rendezvous_timeout_s=30.0,
+                             connector_name="P2pNcclAFDConnector")
+    protocol = make_protocol(settings, transport_cls=NcclTransport)
+    try:
+        protocol.init()
+    except RuntimeError as exc:
+        return str(exc)
+    finally:
+        protocol.close()
+    return "initialised"

@@ -54,9 +54,10 @@ CHILD = textwrap.dedent('''
 
     report = {}
     hidden = torch.randn(5, 128, dtype=torch.bfloat16)
+    hidden_sum = float(hidden.float().sum())
     out = RemoteFFNProxy(3)(hidden)
     report["dense"] = {"calls": calls[:], "out": float(out.float().mean()), "dtype": str(out.dtype),
-                       "hidden_sum": float(hidden.float().sum())}
+                       "hidden_sum": hidden_sum, "in_place": out.data_ptr() == hidden.data_ptr()}
 
     calls.clear()
     config = EngineArgs(model=sys.argv[1], enforce_eager=True, skip_tokenizer_init=True,
@@ -70,8 +71,9 @@ CHILD = textwrap.dedent('''
         proxy = AFDQwen3MoeProxy(config, "model.layers.1.mlp", gate_on_attention=True)
         torch.nn.init.normal_(proxy.gate.weight)
         process_weights_after_loading(proxy, config.model_config, torch.device("cpu"))
-    out = proxy(hidden)
+    hidden = torch.randn(5, 128, dtype=torch.bfloat16)
     logits, _ = proxy.gate(hidden)
+    out = proxy(hidden)
     report["moe"] = {"calls": calls[:], "logits_sum": float(logits.float().sum()), "out": float(out.float().mean())}
 
     calls.clear()
@@ -103,7 +105,7 @@ def report(tiny_model_dirs):
     return json.loads(run_child(CHILD, str(tiny_model_dirs["qwen3_moe"]), port))
 
 
-def test_dense_proxy_sends_hidden_then_receives_into_a_fresh_buffer(report):
+def test_dense_proxy_sends_hidden_then_receives_into_the_sent_tensor(report):
     dense = report["dense"]
 
     assert [call["op"] for call in dense["calls"]] == ["send", "recv"]
@@ -111,7 +113,7 @@ def test_dense_proxy_sends_hidden_then_receives_into_a_fresh_buffer(report):
     assert (send["layer"], send["rows"], send["logits_sum"]) == (3, 5, None)
     assert send["hidden_sum"] == pytest.approx(dense["hidden_sum"])
     assert (recv["layer"], recv["shape"], recv["dtype"]) == (3, [5, 128], "torch.bfloat16")
-    assert dense["out"] == 3.5 and dense["dtype"] == "torch.bfloat16"
+    assert dense["out"] == 3.5 and dense["dtype"] == "torch.bfloat16" and dense["in_place"]
 
 
 def test_moe_proxy_with_the_gate_on_attention_sends_its_router_logits(report):
@@ -201,8 +203,9 @@ def loopback_report():
     return json.loads(run_child(LOOPBACK))
 
 
-@pytest.mark.parametrize("backend", ["none", "eager"])
+@pytest.mark.parametrize("backend", ["none", "eager", "inductor"])
 def test_proxy_and_transport_ops_exchange_once_per_forward(loopback_report, backend):
+    """Regression (inductor): with its output in a fresh buffer, the send was dead code."""
     result = loopback_report[backend]
 
     assert result["error"] is None
@@ -210,12 +213,89 @@ def test_proxy_and_transport_ops_exchange_once_per_forward(loopback_report, back
     assert result["equal"]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "inductor drops afd_send: it returns nothing and mutates only a dead intermediate, so it is "
-    "dead code after functionalization. Fix in the op contract (vLLM's kv_cache_dummy_dep "
-    "pattern): afd_send returns an empty tensor that the proxy passes to afd_recv"))
-def test_inductor_keeps_the_send(loopback_report):
-    result = loopback_report["inductor"]
+WHOLE_MODEL = textwrap.dedent('''
+    import json, sys
+    import torch
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.forward_context import create_forward_context, override_forward_context
+    from vllm.model_executor.model_loader import get_model_loader
+    from vllm.model_executor.model_loader.utils import initialize_model, process_weights_after_loading
+    from vllm.utils.torch_utils import set_default_torch_dtype
+    from vllm_afd.connectors.metadata import AFDForwardContextMetadata
+    from vllm_afd.connectors.ops import SIDECAR_KEY, register_afd_ops, register_connector
+    from vllm_afd.models.qwen3_moe import AFDQwen3MoeForCausalLM
 
-    assert result["calls"] == [["send", 4, 5], ["recv", 5]], result
+    class RecordingConnector:
+        def __init__(self):
+            self.calls = []
 
+        def check_failed(self):
+            pass
+
+        def send_attn_output(self, hidden, context, router_logits=None):
+            width = None if router_logits is None else int(router_logits.shape[1])
+            self.calls.append(["send", context.metadata.layer_idx, int(hidden.shape[0]), width])
+
+        def recv_ffn_output(self, ref_tensor, ubatch_idx=0):
+            self.calls.append(["recv", int(ref_tensor.shape[0])])
+            return torch.zeros_like(ref_tensor)
+
+    register_afd_ops()
+    connector = RecordingConnector()
+    handle = register_connector(connector)
+    report = {}
+    for gate_on_attention in (False, True):
+        config = EngineArgs(model=sys.argv[1], skip_tokenizer_init=True, max_model_len=256,
+                            max_num_batched_tokens=256, additional_config={"afd": {
+                                "role": "attention", "connector": "P2pGlooAFDConnector",
+                                "compute_gate_on_attention": gate_on_attention}}).create_engine_config()
+        with set_current_vllm_config(config):
+            if not gate_on_attention:
+                init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+                                             distributed_init_method="tcp://127.0.0.1:" + sys.argv[2])
+                ensure_model_parallel_initialized(1, 1)
+            with set_default_torch_dtype(config.model_config.dtype):
+                model = initialize_model(vllm_config=config, model_class=AFDQwen3MoeForCausalLM)
+                get_model_loader(config.load_config).load_weights(model, config.model_config)
+                process_weights_after_loading(model, config.model_config, torch.device("cpu"))
+            runs = []
+            for num_tokens in (6, 2):
+                connector.calls.clear()
+                sidecar = AFDForwardContextMetadata(
+                    tokens_start_loc=[0], requests_start_loc=[0], stage_idx=0, num_stages=1,
+                    tokens_lens=[num_tokens], tokens_unpadded_lens=[num_tokens],
+                    transaction_id="afd-1", connector_handle=handle, published=True)
+                context = create_forward_context(None, config,
+                                                 additional_kwargs={SIDECAR_KEY: sidecar})
+                with torch.inference_mode(), override_forward_context(context):
+                    model(torch.arange(num_tokens), torch.arange(num_tokens))
+                runs.append(connector.calls[:])
+            report[str(gate_on_attention)] = {"mode": str(config.compilation_config.mode),
+                                              "compiled": bool(model.model.compiled), "runs": runs}
+    print("REPORT " + json.dumps(report))
+''')
+
+
+@pytest.fixture(scope="module")
+def whole_model_report(tiny_model_dirs):
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = str(sock.getsockname()[1])
+    return json.loads(run_child(WHOLE_MODEL, str(tiny_model_dirs["qwen3_moe"]), port))
+
+
+@pytest.mark.parametrize("gate_on_attention, crossing, width", [(False, [0, 1, 2], None),
+                                                                 (True, [1, 2], 8)])
+def test_compiled_attention_half_exchanges_layer_by_layer(whole_model_report, gate_on_attention,
+                                                           crossing, width):
+    """The decorated AFD model body under vLLM's default CPU compilation (Dynamo + inductor)."""
+    result = whole_model_report[str(gate_on_attention)]
+
+    assert result["compiled"] and "NONE" not in result["mode"]
+    for run, num_tokens in zip(result["runs"], (6, 2)):
+        expected = []
+        for layer in crossing:
+            expected += [["send", layer, num_tokens, width], ["recv", num_tokens]]
+        assert run == expected

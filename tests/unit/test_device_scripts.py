@@ -200,7 +200,7 @@ def test_decode_rate_subtracts_the_one_token_request():
     assert report.decode_rate(4, 1, full_s=0.5, prefill_s=0.1) is None
 
 
-def test_median_rate_and_ratios():
+def test_median_rate_ratios_and_percentiles():
     samples = [{"tok_s": 10.0, "tpot_ms": 3.0}, None, {"tok_s": 30.0, "tpot_ms": 1.0}, {"tok_s": 20.0, "tpot_ms": 2.0}]
 
     assert report.median_rate(samples) == {"tok_s": 20.0, "tpot_ms": 2.0, "tok_s_min": 10.0, "tok_s_max": 30.0,
@@ -209,11 +209,7 @@ def test_median_rate_and_ratios():
     assert report.ratio(3.0, 2.0) == 1.5 and report.ratio(None, 2.0) is None and report.ratio(1.0, 0.0) is None
     assert report.serving_per_layer_ms(8.0, 5.0, 3) == pytest.approx(1.0)
     assert report.serving_per_layer_ms(None, 5.0, 3) is None
-
-
-def test_percentiles_ms():
     result = report.percentiles_ms([0.001 * i for i in range(1, 101)])
-
     assert result["p50"] == pytest.approx(50.5) and result["p99"] == pytest.approx(99.0)
     assert report.percentiles_ms([]) == {}
 
@@ -236,7 +232,8 @@ def test_render_markdown_shows_tables_and_ratios():
                                               "raw_staged_ms": {"p50": 0.5}, "connector_ms": {"p50": 0.6, "p99": 0.9}}]},
             "hooks": {"status": "missing", "result_status": "missing"},
         },
-        "servers": {"qwen3_moe": {"afd_attention": {"status": "up", "startup_s": 41.0, "backends": ["FLASH_ATTN"]}}},
+        "servers": {"qwen3_moe": {"afd_attention": {"status": "up", "startup_s": 41.0, "backends": ["FLASH_ATTN"]},
+                                  "afd_ffn": {"status": "failed", "error": "ServerStartError: ...\nValueError: boom"}}},
     }
 
     text = report.render_markdown(summary)
@@ -246,8 +243,9 @@ def test_render_markdown_shows_tables_and_ratios():
     assert "| qwen3_moe | 32 | 100 | 200 | 80 | 0.8 | 0.4 | 2 |" in text
     assert "| 64x2048 | 0.4 | 0.5 | 0.6 | 0.9 | 1.2 |" in text
     assert "FLASH_ATTN" in text and "status: missing" in text
-    assert ("- **qwen3_moe**: afd_eager vs plain_eager: **DIFFERENT**; AFD/plain eager tok/s at B=32: 0.8"
-            in text)
+    assert "### qwen3_moe / afd_ffn failed to start\n\n```\nServerStartError: ...\nValueError: boom\n```" in text
+    assert ("- **qwen3_moe**: afd_eager vs plain_eager: **DIFFERENT**; plain_graphs vs plain_eager: identical; "
+            "AFD/plain eager tok/s at B=32: 0.8") in text
 
 
 # ----------------------------------------------------------------------------------- serving

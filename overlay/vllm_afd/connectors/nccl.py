@@ -47,11 +47,12 @@ class NcclTransport(P2pTransport):
         self._comms: dict[str, Any] = {}
 
     def open(self, store: Any, plan: ChannelPlan, timeout_s: float) -> None:
+        self._check_distinct_gpus(store, plan, timeout_s)  # before any NCCL call (and any vLLM import)
+
         from torch.distributed import PrefixStore
         from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
         from vllm.distributed.utils import StatelessProcessGroup
 
-        self._check_distinct_gpus(store, plan, timeout_s)
         channels = [
             (A2E, f"afd/{A2E}/{plan.subgroup}", plan.subgroup_rank, plan.subgroup_size),
             (E2A, f"afd/{E2A}/{plan.subgroup}", plan.subgroup_rank, plan.subgroup_size),

@@ -22,12 +22,17 @@ def remote_ffn(
     router_logits: torch.Tensor | None,
     layer_idx: int,
 ) -> torch.Tensor:
-    """One exchange: send `hidden_states` (then `router_logits`), receive the FFN's output."""
+    """One exchange: send `hidden_states` (then `router_logits`), receive the FFN's output.
+
+    The output lands in the tensor just sent (AFD_SPEC §4.4: the receive's `ref_tensor`),
+    which the native decoder never reads again. NOTE: this also chains the two ops through
+    one tensor. Receiving into a fresh buffer instead leaves the send's declared mutation of
+    a dead intermediate as its only effect, and inductor then drops the send as dead code
+    (tests/models/test_proxy.py checks both ops survive compilation).
+    """
     torch.ops.vllm_afd.afd_send(hidden_states, router_logits, layer_idx)
-    # NOTE: a fresh output buffer; the receive op fills it in place (declared mutated).
-    output = torch.empty_like(hidden_states)  # [num_tokens, hidden_size]
-    torch.ops.vllm_afd.afd_recv(output, layer_idx)
-    return output
+    torch.ops.vllm_afd.afd_recv(hidden_states, layer_idx)  # [num_tokens, hidden_size]
+    return hidden_states
 
 
 class RemoteFFNProxy(nn.Module):

@@ -6,7 +6,7 @@ so they need servers that start with CPU-friendly defaults, report a failed star
 group and `stop()` escalates SIGINT -> SIGTERM -> SIGKILL with bounded waits.
 
     with VllmServer(model_dir, env=cpu_server_env(omp_cpus="0")) as server:
-        text, token_ids = complete(server.base_url, "Hello", max_tokens=16)
+        generation = complete(server.base_url, "Hello", max_tokens=16)  # .text, .token_ids
 """
 
 from __future__ import annotations
@@ -146,6 +146,7 @@ class VllmServer:
             # vLLM loads only the general plugins named here; () loads none (a plain baseline).
             self.env["VLLM_PLUGINS"] = ",".join(plugins)
         self.process: subprocess.Popen | None = None
+        self._spawned_at = 0.0  # time.monotonic() at spawn
         self.startup_s: float | None = None  # seconds from spawn to healthy
 
     @property
@@ -188,18 +189,19 @@ class VllmServer:
 
     def wait_healthy(self) -> None:
         """Block until /health answers 200; stop the server and raise ServerStartError if not."""
+        assert self.process is not None, "VllmServer: wait_healthy before spawn"
         try:
-            self._wait_healthy(self._spawned_at)
+            self._poll_health()
         except BaseException:
             self.stop()
             raise
         self.startup_s = time.monotonic() - self._spawned_at
 
-    def _wait_healthy(self, started: float) -> None:
+    def _poll_health(self) -> None:
         import requests
 
-        assert self.process is not None, "VllmServer: _wait_healthy before start"
-        deadline = started + self.startup_timeout_s
+        assert self.process is not None, "VllmServer: _poll_health before spawn"
+        deadline = self._spawned_at + self.startup_timeout_s
         while time.monotonic() < deadline:
             returncode = self.process.poll()
             if returncode is not None:
@@ -210,10 +212,8 @@ class VllmServer:
             try:
                 if requests.get(f"{self.base_url}/health", timeout=2.0).status_code == 200:
                     return
-            except requests.ConnectionError:
-                pass
-            except requests.Timeout:
-                pass
+            except (requests.ConnectionError, requests.Timeout):
+                pass  # not listening yet, or busy starting up
             time.sleep(HEALTH_POLL_INTERVAL_S)
         raise ServerStartError(
             f"VllmServer: /health not ready after {self.startup_timeout_s:.0f} s; expected 200. "

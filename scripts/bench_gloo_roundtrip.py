@@ -1,0 +1,171 @@
+"""Per-layer round trip through P2pGlooAFDConnector's protocol vs a raw gloo ping-pong (PERF.md C2).
+
+Two spawned processes (attention rank 0, FFN rank 0, 1A1F) measure, side by side in one run and in
+alternating blocks, for every batch size B:
+  raw:       attention sends B x hidden bytes on a bare ProcessGroupGloo, the FFN sends them back;
+  connector: send_attn_output + recv_ffn_output against recv_attn_output + send_ffn_output (identity),
+             one control payload per step of ``--layers`` exchanges, as a model forward would do.
+The ratio connector / raw (p50) is the connector's software overhead on top of gloo (target <= 1.5).
+
+    python scripts/bench_gloo_roundtrip.py [--batch-sizes 1,64,256] [--hidden 2048] [--pin]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import multiprocessing
+import os
+import socket
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "overlay"))
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def _make_protocol(role: str, port: int, hidden: int, dtype: Any, layers: int) -> Any:
+    import torch
+
+    from vllm_afd.connectors.channels import P2pSettings
+    from vllm_afd.connectors.gloo import GlooTransport
+    from vllm_afd.connectors.protocol import P2pProtocol
+    from vllm_afd.handshake import PROTOCOL_VERSION, Fingerprint
+
+    settings = P2pSettings(
+        role=role, role_rank=0, num_attention_ranks=1, num_ffn_ranks=1, hidden_size=hidden, dtype=dtype,
+        device=torch.device("cpu"), host="127.0.0.1", port=port, rendezvous_timeout_s=60.0,
+        step_timeout_s=60.0, peer_timeout_s=10.0, exchanges_per_stage=layers, connector_name="bench",
+    )
+    fingerprint = Fingerprint(
+        protocol_version=PROTOCOL_VERSION, overlay_version="bench", vllm_version="bench", architecture="bench",
+        hidden_size=hidden, num_hidden_layers=layers, dtype=str(dtype).removeprefix("torch."), layer_kinds="M" * layers,
+        num_routed_experts=0, connector="P2pGlooAFDConnector", num_attention_ranks=1, num_ffn_ranks=1,
+        compute_gate_on_attention=False, graph_mode="eager", dp_size=1, tp_size=1, role=role, role_rank=0,
+        hostname=socket.gethostname(), pid=os.getpid(), device="cpu",
+    )
+    return P2pProtocol(settings, GlooTransport(settings.device), lambda: fingerprint, terminate=None)
+
+
+def _raw_groups(role: str, port: int) -> tuple[Any, Any, Any]:
+    """A bare store + two gloo pairs (a2e, e2a), built exactly like the connector's but without it."""
+    from torch.distributed import PrefixStore, ProcessGroupGloo, TCPStore
+
+    timeout = datetime.timedelta(seconds=60)
+    host = role == "ffn"
+    store = TCPStore("127.0.0.1", port, is_master=host, wait_for_workers=False, timeout=timeout,
+                     **({"use_libuv": False} if host else {}))
+    rank = 0 if host else 1
+    return store, ProcessGroupGloo(PrefixStore("raw/a2e", store), rank, 2, timeout), \
+        ProcessGroupGloo(PrefixStore("raw/e2a", store), rank, 2, timeout)
+
+
+def _rank(role: str, args: argparse.Namespace, ports: tuple[int, int], results: Any) -> None:
+    import torch
+
+    from vllm_afd.connectors.metadata import AFDTransferContext, AFDTransferMetadata
+
+    if args.pin:
+        os.sched_setaffinity(0, {0 if role == "attention" else 1})
+    torch.set_num_threads(1)
+    dtype = getattr(torch, args.dtype)
+    wait = datetime.timedelta(days=1)
+    _, raw_a2e, raw_e2a = _raw_groups(role, ports[0])
+    protocol = _make_protocol(role, ports[1], args.hidden, dtype, args.layers)
+    protocol.init()
+    table = []
+    for batch in args.batch_sizes:
+        hidden = torch.randn(batch, args.hidden).to(dtype)
+        raw_bytes = hidden.reshape(-1).view(torch.uint8)
+        raw_s: list[float] = []
+        conn_s: list[float] = []
+        for block in range(args.blocks):
+            for i in range(args.warmup + args.iters):  # raw ping-pong
+                started = time.perf_counter()
+                if role == "attention":
+                    raw_a2e.send([raw_bytes], 0, 0).wait(wait)
+                    raw_e2a.recv([raw_bytes], 0, 0).wait(wait)
+                else:
+                    raw_a2e.recv([raw_bytes], 1, 0).wait(wait)
+                    raw_e2a.send([raw_bytes], 1, 0).wait(wait)
+                if i >= args.warmup:
+                    raw_s.append(time.perf_counter() - started)
+            num_steps = (args.warmup + args.iters) // args.layers
+            for step in range(num_steps):  # the connector, one payload per step of `layers` exchanges
+                if role == "attention":
+                    protocol.send_dp_metadata({0: [batch]})
+                else:
+                    protocol.update_state_from_dp_metadata(protocol.recv_dp_metadata_list())
+                for layer in range(args.layers):
+                    started = time.perf_counter()
+                    if role == "attention":
+                        context = AFDTransferContext(AFDTransferMetadata.create_attention_metadata(layer, 0, batch))
+                        protocol.send_attn_output(hidden, context)
+                        protocol.recv_ffn_output(hidden)
+                    else:
+                        received = protocol.recv_attn_output(0)
+                        protocol.send_ffn_output(received.hidden_states, received.context)
+                    if step * args.layers + layer >= args.warmup:
+                        conn_s.append(time.perf_counter() - started)
+        table.append((batch, raw_s, conn_s))
+    protocol.close()
+    if role == "attention":
+        results.put(table)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch-sizes", default="1,64,256", help="comma-separated rows per exchange")
+    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--layers", type=int, default=16, help="exchanges per step (one payload each step)")
+    parser.add_argument("--iters", type=int, default=160, help="measured round trips per block and path")
+    parser.add_argument("--warmup", type=int, default=16)
+    parser.add_argument("--blocks", type=int, default=3, help="alternating raw/connector blocks")
+    parser.add_argument("--pin", action="store_true", help="pin attention to CPU 0 and FFN to CPU 1")
+    args = parser.parse_args(argv)
+    try:
+        args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    except ValueError:
+        parser.error(f"--batch-sizes must be comma-separated integers, got {args.batch_sizes!r}")
+    if (args.warmup + args.iters) % args.layers:
+        parser.error(f"--warmup + --iters ({args.warmup + args.iters}) must be a multiple of --layers ({args.layers})")
+
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    ports = (_free_port(), _free_port())
+    procs = [ctx.Process(target=_rank, args=(role, args, ports, results), daemon=True) for role in ("ffn", "attention")]
+    for proc in procs:
+        proc.start()
+    try:
+        table = results.get(timeout=600)
+    finally:
+        for proc in procs:
+            proc.join(30)
+            if proc.is_alive():
+                proc.kill()
+    print(f"gloo round trip per layer, [B, {args.hidden}] {args.dtype}, 1A1F loopback, "
+          f"{args.blocks}x{args.iters} samples per path, pinned={args.pin}")
+    print(f"{'B':>5} {'raw p50 ms':>11} {'conn p50 ms':>12} {'ratio p50':>10} {'raw p99 ms':>11} {'conn p99 ms':>12}")
+    for batch, raw_s, conn_s in table:
+        raw50, conn50 = statistics.median(raw_s) * 1e3, statistics.median(conn_s) * 1e3
+        print(f"{batch:>5} {raw50:>11.3f} {conn50:>12.3f} {conn50 / raw50:>10.2f} "
+              f"{_percentile(raw_s, 0.99) * 1e3:>11.3f} {_percentile(conn_s, 0.99) * 1e3:>12.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

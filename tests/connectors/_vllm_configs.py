@@ -1,0 +1,30 @@
+"""Real vLLM configs of a tiny Qwen3-MoE (config.json only, no weights) for connector tests."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+# 4 layers, layer 0 dense (mlp_only_layers), hidden 128, 8 experts: layer_kinds "DMMM".
+TINY_QWEN3_MOE = {
+    "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 128,
+    "intermediate_size": 256, "moe_intermediate_size": 64, "num_hidden_layers": 4, "num_attention_heads": 2,
+    "num_key_value_heads": 1, "head_dim": 64, "num_experts": 8, "num_experts_per_tok": 2,
+    "decoder_sparse_step": 1, "mlp_only_layers": [0], "vocab_size": 512, "max_position_embeddings": 512,
+    "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "torch_dtype": "bfloat16", "tie_word_embeddings": False,
+}
+
+
+def write_tiny_model(directory: Path) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(TINY_QWEN3_MOE))
+    return directory
+
+
+def make_vllm_config(model_dir: Path, **afd: Any) -> Any:
+    """A real ``VllmConfig`` (eager, CPU) whose ``additional_config["afd"]`` is ``afd``."""
+    from vllm.config import ModelConfig, VllmConfig
+
+    model_config = ModelConfig(model=str(model_dir), skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True)
+    return VllmConfig(model_config=model_config, additional_config={"afd": afd})
