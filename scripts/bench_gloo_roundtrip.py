@@ -7,7 +7,11 @@ alternating blocks, for every batch size B:
              one control payload per step of ``--layers`` exchanges, as a model forward would do.
 The ratio connector / raw (p50) is the connector's software overhead on top of gloo (target <= 1.5).
 
-    python scripts/bench_gloo_roundtrip.py [--batch-sizes 1,64,256] [--hidden 2048] [--pin]
+    python scripts/bench_gloo_roundtrip.py [--batch-sizes 1,64,256] [--hidden 2048] [--pin] [--device cuda]
+
+With ``--device cuda`` both ranks keep their tensors on cuda:0 and the connector stages them through
+host memory (both roles on one GPU); the raw path still moves host bytes, so the ratio then includes
+the device<->host copies.
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def _make_protocol(role: str, port: int, hidden: int, dtype: Any, layers: int) -> Any:
+def _make_protocol(role: str, port: int, hidden: int, dtype: Any, layers: int, device: str) -> Any:
     import torch
 
     from vllm_afd.connectors.channels import P2pSettings
@@ -47,7 +51,7 @@ def _make_protocol(role: str, port: int, hidden: int, dtype: Any, layers: int) -
 
     settings = P2pSettings(
         role=role, role_rank=0, num_attention_ranks=1, num_ffn_ranks=1, hidden_size=hidden, dtype=dtype,
-        device=torch.device("cpu"), host="127.0.0.1", port=port, rendezvous_timeout_s=60.0,
+        device=torch.device(device), host="127.0.0.1", port=port, rendezvous_timeout_s=60.0,
         step_timeout_s=60.0, peer_timeout_s=10.0, exchanges_per_stage=layers, connector_name="bench",
     )
     fingerprint = Fingerprint(
@@ -84,12 +88,14 @@ def _rank(role: str, args: argparse.Namespace, ports: tuple[int, int], results: 
     dtype = getattr(torch, args.dtype)
     wait = datetime.timedelta(days=1)
     _, raw_a2e, raw_e2a = _raw_groups(role, ports[0])
-    protocol = _make_protocol(role, ports[1], args.hidden, dtype, args.layers)
+    device = "cuda:0" if args.device == "cuda" else "cpu"
+    protocol = _make_protocol(role, ports[1], args.hidden, dtype, args.layers, device)
     protocol.init()
     table = []
     for batch in args.batch_sizes:
-        hidden = torch.randn(batch, args.hidden).to(dtype)
-        raw_bytes = hidden.reshape(-1).view(torch.uint8)
+        host_hidden = torch.randn(batch, args.hidden).to(dtype)
+        raw_bytes = host_hidden.reshape(-1).view(torch.uint8)
+        hidden = host_hidden.to(device)
         raw_s: list[float] = []
         conn_s: list[float] = []
         for block in range(args.blocks):
@@ -136,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=16)
     parser.add_argument("--blocks", type=int, default=3, help="alternating raw/connector blocks")
     parser.add_argument("--pin", action="store_true", help="pin attention to CPU 0 and FFN to CPU 1")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the connector's tensors live")
     args = parser.parse_args(argv)
     try:
         args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
@@ -157,8 +164,8 @@ def main(argv: list[str] | None = None) -> int:
             proc.join(30)
             if proc.is_alive():
                 proc.kill()
-    print(f"gloo round trip per layer, [B, {args.hidden}] {args.dtype}, 1A1F loopback, "
-          f"{args.blocks}x{args.iters} samples per path, pinned={args.pin}")
+    print(f"gloo round trip per layer, [B, {args.hidden}] {args.dtype}, 1A1F loopback, connector tensors on "
+          f"{args.device}, {args.blocks}x{args.iters} samples per path, pinned={args.pin}")
     print(f"{'B':>5} {'raw p50 ms':>11} {'conn p50 ms':>12} {'ratio p50':>10} {'raw p99 ms':>11} {'conn p99 ms':>12}")
     for batch, raw_s, conn_s in table:
         raw50, conn50 = statistics.median(raw_s) * 1e3, statistics.median(conn_s) * 1e3

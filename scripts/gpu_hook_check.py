@@ -33,7 +33,7 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 PROBE_DIR = REPO / "tests" / "hook_probe"
-GPU_WORKER = "afd_hook_probe.workers.ProbeGPUWorker"
+GPU_WORKER = "afd_hook_probe.gpu_worker.ProbeGPUWorker"
 PROMPTS = ["The quick brown fox", "Once upon a time", "What is the capital of France?"]
 MODES = {
     "eager": {"enforce_eager": True},

@@ -251,13 +251,20 @@ def _rtt_lines(rtt: Mapping[str, Any], bench: Mapping[str, Any]) -> list[str]:
         lines += ["### Per-layer round trip, gloo (ms)", "",
                   markdown_table(["rows x hidden", "raw host p50", "raw CUDA-staged p50", "connector p50",
                                   "connector p99", "connector / raw (staged on CUDA) p50"], rows)]
+    floors = {(row["rows"], row["hidden"]): (row.get("raw_staged_ms") or row.get("raw_host_ms") or {}).get("p50")
+              for row in rtt.get("rows", [])}
     derived = []
     for model, result in bench.get("models", {}).items():
         for batch, value in result.get("serving_per_layer_ms", {}).items():
-            derived.append([model, batch, value, result.get("num_crossing_layers")])
+            if value is None:
+                continue
+            floor = floors.get((int(batch), result.get("hidden_size")))
+            derived.append([model, batch, value, result.get("num_crossing_layers"), floor, ratio(value, floor)])
     if derived:
-        lines += ["", "Serving-derived AFD cost per crossing layer = (TPOT AFD − TPOT plain eager) / layers:", "",
-                  markdown_table(["model", "batch", "ms per layer", "crossing layers"], derived)]
+        lines += ["", "Serving-derived AFD cost per crossing layer = (TPOT AFD − TPOT plain eager) / layers, "
+                  "against the raw round trip of the same rows x hidden:", "",
+                  markdown_table(["model", "batch", "ms per layer", "crossing layers", "raw p50 ms",
+                                  "serving / raw"], derived)]
     return lines
 
 
@@ -328,6 +335,14 @@ def render_markdown(summary: Mapping[str, Any]) -> str:
                   _server_lines(summary.get("servers", {}))):
         if block:
             lines += [""] + block
+    pristine = phases.get("pristine", {})
+    if "tokens_vs_patched_plain_eager" in pristine or "patched_over_pristine_tok_s" in pristine:
+        same = pristine.get("tokens_vs_patched_plain_eager", {}).get("identical")
+        rates = ", ".join(f"B={batch}: {_fmt(value)}"
+                          for batch, value in pristine.get("patched_over_pristine_tok_s", {}).items())
+        lines += ["", "### Hook cost, AFD off (patched vs pristine vLLM, eager)", "",
+                  f"{pristine.get('model')}: tokens {'identical' if same else '**DIFFERENT**'}; "
+                  f"tok/s patched / pristine: {rates or '—'} (sequential runs, not interleaved)"]
     lines += _failure_lines(summary.get("servers", {}))
     hooks = phases.get("hooks")
     if hooks:

@@ -138,11 +138,18 @@ class Run:
         """summary.json, summary.md and logs.tar.gz, each written to a temp name and renamed."""
         self.summary["elapsed_s"] = round(time.monotonic() - self.started, 1)
         _atomic_write(self.out_dir / "summary.json", json.dumps(self.summary, indent=1, default=str) + "\n")
-        _atomic_write(self.out_dir / "summary.md", report.render_markdown(self.summary))
+        try:
+            markdown = report.render_markdown(self.summary)
+        except Exception:  # noqa: BLE001 - the JSON is written; a report bug must not end the run
+            markdown = f"# summary.md could not be rendered\n\n```\n{traceback.format_exc()}```\n"
+        _atomic_write(self.out_dir / "summary.md", markdown)
         tmp = self.out_dir / ".logs.tar.gz.tmp"
-        with tarfile.open(tmp, "w:gz") as tar:
-            tar.add(self.logs_dir, arcname="logs")
-        tmp.replace(self.out_dir / "logs.tar.gz")
+        try:
+            with tarfile.open(tmp, "w:gz") as tar:
+                tar.add(self.logs_dir, arcname="logs")
+            tmp.replace(self.out_dir / "logs.tar.gz")
+        except OSError as exc:
+            self.summary["notes"].append(f"packing logs failed: {exc}")
 
 
 def _text(value: Any) -> str:

@@ -312,6 +312,7 @@ def bench_record(result: dict[str, Any], model: dict[str, Any]) -> dict[str, Any
     if "variants" in bench:
         num_layers = int(model["config"]["num_hidden_layers"])
         bench["num_crossing_layers"] = num_layers
+        bench["hidden_size"] = int(model["config"]["hidden_size"])
         variants = bench["variants"]
         bench["serving_per_layer_ms"] = {}
         for batch in bench["batches"]:

@@ -60,6 +60,9 @@ class ServerSpec:
     variant: str | None
     args: tuple[str, ...]
     env: Mapping[str, str] = field(default_factory=dict)
+    # A server whose failed start dooms this one (the attention waits for its FFN until the
+    # rendezvous times out): this one is stopped at once instead.
+    needs: str | None = None
 
 
 def afd_config_json(role: str, port: int, rendezvous_timeout_s: float) -> str:
@@ -107,8 +110,9 @@ def server_specs(variants: Sequence[str], settings: ServeSettings, *, afd_port: 
                 role_kv = kv_bytes if role == "attention" else []
                 specs.append(ServerSpec(name, variant if role == "attention" else None,
                                         (*common, *memory, *role_kv, *eager, "--additional-config", config),
-                                        _cpu_env(settings, cpu_env, cores)))
-    return [ServerSpec(s.name, s.variant, (*s.args, *settings.extra_args), s.env) for s in specs]
+                                        _cpu_env(settings, cpu_env, cores),
+                                        needs="afd_ffn" if role == "attention" else None))
+    return [ServerSpec(s.name, s.variant, (*s.args, *settings.extra_args), s.env, s.needs) for s in specs]
 
 
 def _cpu_env(settings: ServeSettings, cpu_env: Mapping[str, str], cores: Any) -> dict[str, str]:
@@ -156,6 +160,10 @@ def start_servers(specs: Sequence[ServerSpec], model_dir: Path, *, base_env: Map
                         on_spawn(server.process.pid)
                 if all(future.done() for future in futures):
                     break
+                for spec in specs:
+                    doomed = spec.needs is not None and infos.get(spec.needs, {}).get("status") == "failed"
+                    if doomed and spec.name not in infos and servers[spec.name].process is not None:
+                        servers[spec.name].stop()  # its start() then fails at once, naming the exit
                 time.sleep(0.2)
         except BaseException:  # SIGTERM or Ctrl-C while starting: take every server down, then re-raise
             stop_servers(servers, infos)
@@ -167,13 +175,15 @@ def start_servers(specs: Sequence[ServerSpec], model_dir: Path, *, base_env: Map
 
 
 def stop_servers(servers: Mapping[str, Any], infos: dict[str, Any]) -> None:
-    """Attention first (the FFN follows it down), then the rest; records exit codes."""
-    order = sorted(servers, key=lambda name: (name != "afd_attention", name == "afd_ffn", name))
-    for name in order:
+    """Stop every server at once (each escalates SIGINT -> SIGTERM -> SIGKILL); records exit codes."""
+    def stop(name: str) -> None:
         try:
             infos.setdefault(name, {})["exit_code"] = servers[name].stop()
         except Exception as exc:  # noqa: BLE001 - a stuck server must not keep the others up
             infos.setdefault(name, {})["stop_error"] = f"{type(exc).__name__}: {exc}"
+
+    with ThreadPoolExecutor(max_workers=max(1, len(servers))) as pool:
+        list(pool.map(stop, list(servers)))
 
 
 _BACKEND_RES = (re.compile(r"Using (\w+) attention backend"), re.compile(r"Using AttentionBackendEnum\.(\w+) backend"),

@@ -22,7 +22,7 @@ from hook_series import SUBPROCESS_TIMEOUT_S
 
 pytestmark = [pytest.mark.vllm, pytest.mark.e2e]
 
-CPU_WORKER = "afd_hook_probe.workers.ProbeCPUWorker"
+CPU_WORKER = "afd_hook_probe.cpu_worker.ProbeCPUWorker"
 NUM_TOKENS = 6
 PROMPT = "The quick brown fox"
 GENERATE = """

@@ -93,6 +93,28 @@ def test_close_after_a_failed_rendezvous_releases_everything():
     again.close()
 
 
+def test_close_cancels_a_pending_init_without_waiting_for_it():
+    protocol = make_protocol(make_settings("ffn", 0, 1, 1, free_port(), rendezvous_timeout_s=30.0))
+    errors = []
+
+    def init():
+        try:
+            protocol.init()
+        except Exception as exc:  # noqa: BLE001 - asserted below
+            errors.append(exc)
+
+    thread = threading.Thread(target=init)
+    thread.start()
+    time.sleep(0.5)  # FFN rank 0 is waiting for an attention rank that never comes
+    started = time.monotonic()
+    protocol.close()
+
+    assert time.monotonic() - started < 5.0
+    thread.join(5.0)
+    assert not thread.is_alive()
+    assert "cancelled: the connector was closed" in str(errors[0])
+
+
 @pytest.fixture
 def pair():
     """An initialised 1A1F pair in this process (gloo over loopback), closed afterwards."""

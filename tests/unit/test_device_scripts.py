@@ -227,9 +227,11 @@ def test_render_markdown_shows_tables_and_ratios():
             "bench": {"status": "ok", "models": {"qwen3_moe": {
                 "batches": [32], "variants": {"plain_eager": {"32": rate}, "afd_eager": {"32": {**rate, "tok_s": 80.0}},
                                               "plain_graphs": {"32": {**rate, "tok_s": 200.0}}},
-                "serving_per_layer_ms": {"32": 0.8}, "num_crossing_layers": 3}}},
+                "serving_per_layer_ms": {"32": 0.8}, "num_crossing_layers": 3, "hidden_size": 2048}}},
             "rtt": {"status": "ok", "rows": [{"rows": 64, "hidden": 2048, "raw_host_ms": {"p50": 0.4},
-                                              "raw_staged_ms": {"p50": 0.5}, "connector_ms": {"p50": 0.6, "p99": 0.9}}]},
+                                              "raw_staged_ms": {"p50": 0.5}, "connector_ms": {"p50": 0.6, "p99": 0.9}},
+                                             {"rows": 32, "hidden": 2048, "raw_host_ms": {"p50": 0.4},
+                                              "connector_ms": {"p50": 0.6}}]},
             "hooks": {"status": "missing", "result_status": "missing"},
         },
         "servers": {"qwen3_moe": {"afd_attention": {"status": "up", "startup_s": 41.0, "backends": ["FLASH_ATTN"]},
@@ -242,6 +244,7 @@ def test_render_markdown_shows_tables_and_ratios():
     assert "| qwen3_moe | plain_graphs_vs_plain_eager | all 2 cases | 2/2 | identical |" in text
     assert "| qwen3_moe | 32 | 100 | 200 | 80 | 0.8 | 0.4 | 2 |" in text
     assert "| 64x2048 | 0.4 | 0.5 | 0.6 | 0.9 | 1.2 |" in text
+    assert "| qwen3_moe | 32 | 0.8 | 3 | 0.4 | 2 |" in text  # serving-derived vs the raw floor
     assert "FLASH_ATTN" in text and "status: missing" in text
     assert "### qwen3_moe / afd_ffn failed to start\n\n```\nServerStartError: ...\nValueError: boom\n```" in text
     assert ("- **qwen3_moe**: afd_eager vs plain_eager: **DIFFERENT**; plain_graphs vs plain_eager: identical; "
@@ -263,6 +266,7 @@ def test_server_specs_of_a_cuda_round():
 
     assert list(specs) == ["plain_eager", "plain_graphs", "afd_ffn", "afd_attention"]
     assert specs["afd_ffn"].variant is None and specs["afd_attention"].variant == "afd_eager"
+    assert specs["afd_attention"].needs == "afd_ffn" and specs["plain_eager"].needs is None
     for name in ("plain_eager", "afd_ffn", "afd_attention"):
         assert "--enforce-eager" in specs[name].args
     graphs = json.loads(_args_after(specs["plain_graphs"].args, "--compilation-config"))
@@ -344,12 +348,6 @@ def test_cli_defaults_and_checks(capsys):
         assert message in capsys.readouterr().err
 
 
-def test_last_json():
-    assert phases.last_json('{"a": 1}') == {"a": 1}
-    assert phases.last_json('noise\n{"b": 2}\n{"c": 3}\ntrailer') == {"c": 3}
-    assert phases.last_json("no json") is None
-
-
 def test_run_skeleton_writes_outputs_within_device_limits(tmp_path):
     """A run with only the hook phase (script absent): summary, report and log archive, <= 8 files."""
     out = tmp_path / "out"
@@ -382,7 +380,10 @@ def test_run_keeps_inside_the_device_command_limit(tmp_path):
 # ------------------------------------------------------------------------- bench_connector_rtt
 
 
-def test_parse_shapes():
+def test_parse_shapes_and_last_json():
+    assert phases.last_json('{"a": 1}') == {"a": 1}
+    assert phases.last_json('noise\n{"b": 2}\n{"c": 3}\ntrailer') == {"c": 3}
+    assert phases.last_json("no json") is None
     assert parse_shapes("1x128, 64X2048") == [(1, 128), (64, 2048)]
     for bad in ("1x", "0x128", "ax2"):
         with pytest.raises(ValueError, match="ROWSxHIDDEN"):

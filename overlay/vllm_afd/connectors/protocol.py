@@ -10,6 +10,7 @@ moves contiguous tensors between ranks of three channels; gloo and NCCL differ o
 from __future__ import annotations
 
 import threading
+import time
 from abc import abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -37,8 +38,9 @@ __all__ = ["P2pAFDConnector", "P2pProtocol"]
 
 # A control body longer than this is garbage, not a payload (a real one is well under 1 KiB per stage).
 MAX_CONTROL_BYTES = 1 << 20
-# How long close() waits for the watchdog thread and for the transport to let go.
+# How long close() waits in total (watchdog thread, then the transport letting go), and for the watchdog.
 CLOSE_JOIN_S = 5.0
+WATCHDOG_JOIN_S = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +73,7 @@ class P2pProtocol(AFDControlPlane):
         self._latch = FailureLatch(transport.abort, terminate)
         self._lock = threading.Lock()
         self._initialized = False
+        self._initializing = False
         self._closed = False
         self._store: Any = None
         self._watchdog: Watchdog | None = None
@@ -91,46 +94,62 @@ class P2pProtocol(AFDControlPlane):
         return self._initialized and not self._closed and self._latch.failure is None
 
     def init(self) -> None:
-        """§3.6 steps 2-6; idempotent. Any failure releases what was taken and re-raises."""
+        """§3.6 steps 2-6; idempotent. Any failure releases what was taken and re-raises.
+
+        ``close()`` from another thread cancels a running init (the rendezvous polls for it) and never
+        waits for it: the lock only guards the state flags.
+        """
+        s = self.settings
         with self._lock:
             if self._initialized:
                 return
             if self._closed:
                 raise RuntimeError(
-                    f"{self.settings.connector_name}: init_afd_connector() after close(); expected a "
-                    "fresh connector. A store serves one AFD run: restart both roles"
+                    f"{s.connector_name}: init_afd_connector() after close(); expected a fresh connector. "
+                    "A store serves one AFD run: restart both roles"
                 )
-            s = self.settings
-            rendezvous = Rendezvous(
-                RendezvousSpec(s.host, s.port, s.role, s.role_rank, s.num_attention_ranks, s.num_ffn_ranks,
-                               s.rendezvous_timeout_s)
-            )
+            if self._initializing:
+                raise RuntimeError(
+                    f"{s.connector_name}: init_afd_connector() is already running on another thread; expected "
+                    "one initialising caller. Call it once per connector"
+                )
+            self._initializing = True
+        rendezvous = Rendezvous(
+            RendezvousSpec(s.host, s.port, s.role, s.role_rank, s.num_attention_ranks, s.num_ffn_ranks,
+                           s.rendezvous_timeout_s),
+            cancelled=lambda: self._closed,
+        )
+        try:
+            self._store = rendezvous.connect()
+            # NOTE: the watchdog's own connection is opened before the fingerprints are published: a new
+            # TCPStore connection can stall for seconds, and a stall here delays every rank alike
+            # instead of making this rank look silent to peers that already heartbeat.
+            watchdog_store = rendezvous.connect_client()
+            rendezvous.claim()
+            self.fingerprints = rendezvous.exchange_fingerprints(self._fingerprint())
+            self.attention_tp = self.fingerprints[("attention", 0)].tp_size
+            self._watchdog = Watchdog(watchdog_store, self._watchdog_spec(), self._latch)
+            self._watchdog.start()
             try:
-                self._store = rendezvous.connect()
-                # NOTE: the watchdog's own connection is opened before the fingerprints are published:
-                # a new TCPStore connection can stall for seconds, and a stall here delays every rank
-                # alike instead of making this rank look silent to peers that already heartbeat.
-                watchdog_store = rendezvous.connect_client()
-                rendezvous.claim()
-                self.fingerprints = rendezvous.exchange_fingerprints(self._fingerprint())
-                self.attention_tp = self.fingerprints[("attention", 0)].tp_size
-                self._watchdog = Watchdog(watchdog_store, self._watchdog_spec(), self._latch)
-                self._watchdog.start()
-                try:
-                    self.transport.open(self._store, self.plan, max(rendezvous.remaining_s(), 0.1))
-                except RuntimeError as exc:
-                    if rendezvous.remaining_s() < 0.5:  # group creation ran into the deadline
-                        raise rendezvous.timeout_error("creating the data and control channels") from exc
-                    raise
-                self._latch.check()  # a peer lost while the channels were built
-                self._initialized = True
-            except BaseException:
-                self._latch.close()  # the caller gets this exception: no termination fallback
-                self._release()
+                self.transport.open(self._store, self.plan, max(rendezvous.remaining_s(), 0.1))
+            except RuntimeError as exc:
+                if rendezvous.remaining_s() < 0.5:  # group creation ran into the deadline
+                    raise rendezvous.timeout_error("creating the data and control channels") from exc
                 raise
+            self._latch.check()  # a peer lost while the channels were built
+            with self._lock:
+                if self._closed:
+                    raise RuntimeError(f"{s.connector_name}: close() was called during init_afd_connector()")
+                self._initialized = True
+        except BaseException:
+            self._latch.close()  # the caller gets this exception: no termination fallback
+            self._release()
+            raise
+        finally:
+            self._initializing = False
 
     def close(self) -> None:
-        """Idempotent; safe uninitialised and after a partial init; bounded by CLOSE_JOIN_S."""
+        """Idempotent; safe uninitialised, during and after a partial init; bounded by CLOSE_JOIN_S."""
         with self._lock:
             if self._closed:
                 return
@@ -139,12 +158,13 @@ class P2pProtocol(AFDControlPlane):
         self._release()
 
     def _release(self) -> None:
+        started = time.monotonic()
         watchdog, self._watchdog = self._watchdog, None
         if watchdog is not None:
-            watchdog.stop(CLOSE_JOIN_S)
+            watchdog.stop(WATCHDOG_JOIN_S)
         closer = threading.Thread(target=self.transport.close, name="afd-close", daemon=True)
         closer.start()
-        closer.join(CLOSE_JOIN_S)
+        closer.join(max(0.0, CLOSE_JOIN_S - (time.monotonic() - started)))
         # NOTE: dropping the last reference stops FFN rank 0's store server; peers notice at once.
         self._store = None
 
@@ -182,7 +202,8 @@ class P2pProtocol(AFDControlPlane):
         if s.use_graph_buffers and s.role == "ffn":
             self._preallocate_buffers()
         watchdog = self._watchdog
-        assert watchdog is not None, "initialised protocol has a watchdog"
+        if watchdog is None:  # closed concurrently
+            return
         # NOTE: a FULL-graph replay runs the exchanges inside the attention's graph: nothing to count.
         if s.exchanges_per_stage is not None and not (s.role == "attention" and payload.is_graph_replaying):
             watchdog.step_opened(payload.step_seq)

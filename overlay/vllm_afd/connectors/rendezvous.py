@@ -87,9 +87,15 @@ def store_lost_error(address: str, role: str, role_rank: int, exc: BaseException
 class Rendezvous:
     """One rank's rendezvous; ``store`` is set once connected and stays owned by the caller."""
 
-    def __init__(self, spec: RendezvousSpec, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        spec: RendezvousSpec,
+        clock: Callable[[], float] = time.monotonic,
+        cancelled: Callable[[], bool] = lambda: False,
+    ) -> None:
         self.spec = spec
         self._clock = clock
+        self._cancelled = cancelled
         self.deadline = clock() + spec.timeout_s
         self.store: Any = None
 
@@ -135,11 +141,19 @@ class Rendezvous:
                 raise self._duplicate_error()
             if complete:
                 return
+            self._check_cancelled()
             if self.remaining_s() <= 0.0:
                 raise self.timeout_error(stage)
             time.sleep(POLL_INTERVAL_S)
 
     # ---- errors ---------------------------------------------------------------------------------
+
+    def _check_cancelled(self) -> None:
+        if self._cancelled():
+            raise RuntimeError(
+                f"AFD rendezvous at {self.spec.address} ({self.spec.identity}) cancelled: the connector was "
+                "closed while waiting; expected no close() before init_afd_connector() returns"
+            )
 
     def timeout_error(self, stage: str) -> AFDRendezvousTimeout:
         """The §3.6 message: who joined, who is missing (from the claims in the store)."""
@@ -241,6 +255,7 @@ class Rendezvous:
                 return store
             except RuntimeError as exc:  # DistNetworkError: nobody listens (yet)
                 last_error = exc
+            self._check_cancelled()
             if self.remaining_s() <= 0.0:
                 raise self._unreachable_error(f"last error: {last_error}")
             time.sleep(min(0.1, self.remaining_s()))

@@ -5,9 +5,9 @@ end, engine core, workers, the model-inspection subprocess). It does nothing unl
 `AFD_HOOK_PROBE_OUT=<dir>` is set; then it registers a VllmConfig hook, a forward-context
 hook and (when `AFD_HOOK_PROBE_VETO=<message>` is set) a request veto, and every hook
 appends one JSON line per call to `<dir>/events-<pid>.jsonl`. Tests read those files
-(see `read_events`) and compare counts. The probe's workers and runners live in
-`afd_hook_probe.workers` / `afd_hook_probe.mrv2`; the config hook selects them only
-while `parallel_config.worker_cls` is still "auto".
+(see `read_events`) and compare counts. The probe's workers and runner live in
+`afd_hook_probe.cpu_worker`, `.gpu_worker` and `.mrv2`; the config hook selects a worker
+only while `parallel_config.worker_cls` is still "auto".
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from typing import Any
 
 OUT_ENV = "AFD_HOOK_PROBE_OUT"
 VETO_ENV = "AFD_HOOK_PROBE_VETO"
-CPU_WORKER = "afd_hook_probe.workers.ProbeCPUWorker"
-GPU_WORKER = "afd_hook_probe.workers.ProbeGPUWorker"
+CPU_WORKER = "afd_hook_probe.cpu_worker.ProbeCPUWorker"
+GPU_WORKER = "afd_hook_probe.gpu_worker.ProbeGPUWorker"
 
 _installed_pid: int | None = None  # pid that ran install(); spawn children start at None
 

@@ -1,16 +1,14 @@
-"""Probe workers: count runner construction, executed steps and model forwards.
+"""What the probe workers share: counting executed steps and model forwards.
 
-The probe's config hook names these classes while `worker_cls` is "auto" (or a test
-passes one as `worker_cls`). They override the `_make_model_runner` factory added by
-the patch series and call `super()`, like the AFD workers will.
+The workers live in `cpu_worker.py` and `gpu_worker.py` and this module imports neither
+vLLM worker: importing `vllm.v1.worker.cpu_worker` patches torch process-wide for CPU
+(`vllm/v1/worker/cpu/shm.py`: `torch.cuda.Stream`, `Tensor.pin_memory`, UVA buffers), which
+breaks a CUDA worker ("Pointer argument ... cannot be accessed from Triton (cpu tensor?)").
 """
 
 from __future__ import annotations
 
 from typing import Any
-
-from vllm.v1.worker.cpu_worker import CPUWorker
-from vllm.v1.worker.gpu_worker import Worker
 
 from afd_hook_probe import install, is_active, is_capturing, record
 
@@ -19,8 +17,8 @@ def _on_model_forward(module: Any, args: Any) -> None:
     record("model_forward", capturing=is_capturing())
 
 
-class _ProbeWorkerMixin:
-    """Records factory calls, worker steps and (via a torch pre-hook) model forwards."""
+class ProbeWorkerMixin:
+    """Records worker steps and (through a torch pre-forward hook) model forwards."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         if is_active():
@@ -37,22 +35,3 @@ class _ProbeWorkerMixin:
             num_scheduled_tokens=scheduler_output.total_num_scheduled_tokens,
         )
         return super().execute_model(scheduler_output, *args, **kwargs)
-
-
-class ProbeCPUWorker(_ProbeWorkerMixin, CPUWorker):
-    def _make_model_runner(self) -> Any:
-        runner = super()._make_model_runner()
-        record("make_model_runner", worker=type(self).__name__, runner=type(runner).__name__)
-        return runner
-
-
-class ProbeGPUWorker(_ProbeWorkerMixin, Worker):
-    def _make_model_runner(self) -> Any:
-        if self.use_v2_model_runner and not self.vllm_config.is_mm_encoder_only:
-            from afd_hook_probe.mrv2 import ProbeMRV2Runner
-
-            runner = ProbeMRV2Runner(self.vllm_config, self.device)
-        else:
-            runner = super()._make_model_runner()
-        record("make_model_runner", worker=type(self).__name__, runner=type(runner).__name__)
-        return runner

@@ -1,0 +1,110 @@
+#!/usr/bin/env python3
+"""Decode throughput of AFD ÷ plain vLLM on this CPU, measured side by side in one run.
+
+Both deployments serve the same tiny model with the same patched vLLM, alternately and for
+the same requests (greedy, `ignore_eos`): plain vLLM on one core, AFD as an FFN and an
+attention server on one core each.  Decode time is the wall time of a request for
+`1 + num_decode_tokens` tokens minus that of a 1-token request (the prefill), so
+decode tok/s = batch × num_decode_tokens / decode time.  Each cell is the median of
+`--repeats` runs.  Writes a markdown table and a PNG plot (with `--out DIR`); the per-layer
+round trip ÷ raw gloo ping-pong comes from scripts/bench_gloo_roundtrip.py.
+
+    python scripts/bench_afd_cpu.py [--arch qwen3_moe] [--batch-sizes 1,8] [--out docs/bench]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from vllm_afd.testing.afd import AFDDeployment
+from vllm_afd.testing.server import VllmServer, complete_batch, cpu_server_env
+from vllm_afd.testing.tiny_models import build_tiny_model, serve_env
+
+REPO = Path(__file__).resolve().parents[1]
+PROMPT = "The experts of a mixture route each token to"
+
+
+def timed_request(base_url: str, batch: int, max_tokens: int) -> float:
+    started = time.perf_counter()
+    complete_batch(base_url, [PROMPT] * batch, max_tokens, ignore_eos=True)
+    return time.perf_counter() - started
+
+
+def decode_tok_s(base_url: str, batch: int, num_decode_tokens: int, repeats: int) -> float:
+    timed_request(base_url, batch, 1 + num_decode_tokens)  # warm this shape
+    samples = []
+    for _ in range(repeats):
+        full = timed_request(base_url, batch, 1 + num_decode_tokens)
+        prefill = timed_request(base_url, batch, 1)
+        samples.append(batch * num_decode_tokens / max(full - prefill, 1e-6))
+    return statistics.median(samples)
+
+
+def measure(base_url: str, batch_sizes: list[int], num_decode_tokens: int,
+            repeats: int) -> dict[int, float]:
+    return {b: decode_tok_s(base_url, b, num_decode_tokens, repeats) for b in batch_sizes}
+
+
+def write_plot(rows: list[tuple[int, float, float]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [f"batch {b}" for b, _, _ in rows]
+    xs = range(len(rows))
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.bar([x - 0.2 for x in xs], [p for _, p, _ in rows], width=0.4, label="plain vLLM (1 core)")
+    ax.bar([x + 0.2 for x in xs], [a for _, _, a in rows], width=0.4, label="AFD 1A1F gloo (2 cores)")
+    ax.set_xticks(list(xs), labels)
+    ax.set_ylabel("decode tokens / s")
+    ax.set_title("AFD vs plain vLLM on CPU (tiny Qwen3-MoE)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arch", default="qwen3_moe")
+    parser.add_argument("--batch-sizes", default="1,8")
+    parser.add_argument("--decode-tokens", type=int, default=48)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", type=Path, help="write bench-afd-cpu.md and .png here")
+    args = parser.parse_args(argv)
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+
+    model = build_tiny_model(args.arch, REPO / "models" / args.arch)
+    env = serve_env(model)
+    logs = Path(tempfile.mkdtemp(prefix="afd-bench-"))
+    with VllmServer(model, python=sys.executable, launcher="cli", log_path=logs / "plain.log",
+                    env={**cpu_server_env(omp_cpus="0"), **env}) as plain:
+        plain_tok_s = measure(plain.base_url, batch_sizes, args.decode_tokens, args.repeats)
+    with AFDDeployment(model, python=sys.executable, log_dir=logs, env=env) as afd:
+        afd_tok_s = measure(afd.attention.base_url, batch_sizes, args.decode_tokens, args.repeats)
+
+    rows = [(b, plain_tok_s[b], afd_tok_s[b]) for b in batch_sizes]
+    lines = [
+        f"Decode throughput, {args.arch}, {args.decode_tokens} decode tokens, median of "
+        f"{args.repeats} ({datetime.date.today().isoformat()})",
+        "",
+        "| batch | plain vLLM tok/s | AFD tok/s | AFD ÷ plain |",
+        "|---:|---:|---:|---:|",
+        *[f"| {b} | {p:.1f} | {a:.1f} | {a / p:.2f} |" for b, p, a in rows],
+    ]
+    print("\n".join(lines))
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "bench-afd-cpu.md").write_text("\n".join(lines) + "\n")
+        write_plot(rows, args.out / "bench-afd-cpu.png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
