@@ -174,6 +174,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3, help="generations per measurement")
     parser.add_argument("--settle-s", type=float, default=2.0,
                         help="pause between measurements (vLLM readers spin 1 s after a step)")
+    parser.add_argument("--pristine-first", action="store_true",
+                        help="start the pristine vLLM first (start order can bias CPU binding)")
     parser.add_argument("--timeout-s", type=float, default=600.0)
     parser.add_argument("--out", type=Path, default=Path("build/bench-hooks"))
     args = parser.parse_args(argv)
@@ -183,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
 
     engines = {}
     try:
-        for name in ("patched", "pristine"):
+        for name in (("pristine", "patched") if args.pristine_first else ("patched", "pristine")):
             engines[name] = Engine(name, getattr(args, f"{name}_python"),
                                    getattr(args, f"{name}_pythonpath"), args.model, args.out,
                                    args.timeout_s)
@@ -221,7 +223,8 @@ def main(argv: list[str] | None = None) -> int:
         "tokens_equal": all(r["tokens_equal"] for r in rounds),
         "goal": "median_ratio <= 1.01",
         "settings": {"prompts": len(PROMPTS), "max_tokens": args.max_tokens,
-                     "rounds": args.rounds, "repeats": args.repeats},
+                     "rounds": args.rounds, "repeats": args.repeats,
+                     "started_first": "pristine" if args.pristine_first else "patched"},
     }
     (args.out / "bench_hook_overhead.json").write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps({k: v for k, v in report.items() if k != "rounds"}, indent=2))

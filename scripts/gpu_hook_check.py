@@ -16,8 +16,15 @@ hook count contexts and forwards. Prints JSON counts and exits 1 if any is wrong
   is capturing;
 * every model forward runs in exactly one forward context whose hook fired.
 
-Needs vLLM 0.30.0 patched in place (`python scripts/apply_patches.py --apply-to <dir>`).
-Usage: python scripts/gpu_hook_check.py --model-dir M --out-dir O [--timeout-s 480]
+`tokens_equal_eager_vs_graphs` is informative only: for the random tiny model, eager and
+FULL_DECODE_ONLY (compiled) differ on one prompt in pristine vLLM as well.
+
+Needs vLLM 0.30.0 patched in place. On the H200 with vLLM staged by shared/device (checked
+2026-11-29: ok, counts in docs/hooks.md):
+  export PYTHONPATH=~/vllm-site VLLM_USE_FLASHINFER_SAMPLER=0
+  python3 scripts/apply_patches.py --apply-to ~/vllm-site  # needs unidiff; or patch -p1 each
+  PYTHONPATH=$PYTHONPATH:overlay python3 -m vllm_afd.testing.tiny_models --arch qwen3_moe --out /tmp/m
+  python3 scripts/gpu_hook_check.py --model-dir /tmp/m --out-dir $OUT [--timeout-s 480]
 """
 
 from __future__ import annotations

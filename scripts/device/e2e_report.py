@@ -260,6 +260,10 @@ def _rtt_lines(rtt: Mapping[str, Any], bench: Mapping[str, Any]) -> list[str]:
                 continue
             floor = floors.get((int(batch), result.get("hidden_size")))
             derived.append([model, batch, value, result.get("num_crossing_layers"), floor, ratio(value, floor)])
+    external = rtt.get("bench_gloo_roundtrip", {})
+    if external.get("table"):
+        lines += ["", "scripts/bench_gloo_roundtrip.py (raw = host bytes only; alternating blocks):", "",
+                  "```", external["table"], "```"]
     if derived:
         lines += ["", "Serving-derived AFD cost per crossing layer = (TPOT AFD − TPOT plain eager) / layers, "
                   "against the raw round trip of the same rows x hidden:", "",
@@ -348,6 +352,10 @@ def render_markdown(summary: Mapping[str, Any]) -> str:
     if hooks:
         lines += ["", "### Hook GPU check", "", f"status: {hooks.get('status')}; result: "
                   f"{_fmt(hooks.get('result_status'))}"]
+        result = hooks.get("result")
+        if isinstance(result, Mapping):
+            lines += [f"failures: {result.get('failures') or 'none'}; tokens eager == graphs: "
+                      f"{_fmt(result.get('tokens_equal_eager_vs_graphs'))}"]
     notes = summary.get("notes", [])
     if notes:
         lines += ["", "### Notes", ""] + [f"- {note}" for note in notes]

@@ -13,7 +13,7 @@ does everything in one go, each phase isolated so that one failure keeps the oth
     tokens    per model: plain eager, plain FULL_DECODE_ONLY graphs and AFD (FFN + attention, gloo,
               eager) served at once on the one GPU; greedy tokens compared (serving.py)
     bench     decode tok/s of the same servers, interleaved, batch 1 and 32 (with "tokens": one round)
-    hooks     scripts/gpu_hook_check.py if present (another helper's script), its JSON recorded
+    hooks     scripts/gpu_hook_check.py on the first model (MRV2 hooks, eager + graphs), its JSON recorded
 
 Outputs under --out ($OUT on the device): summary.json and summary.md, rewritten after every
 phase, and logs.tar.gz holding every server and subprocess log ($OUT returns at most 8
@@ -218,15 +218,16 @@ def build_parser() -> argparse.ArgumentParser:
     add("--rtt-shapes", default="1x128,32x128,1x2048,64x2048,256x2048")
     add("--rtt-steps", type=int, default=100)
     add("--gloo-bench-args", default="", help="extra args for scripts/bench_gloo_roundtrip.py --device cuda")
-    add("--hook-check-args", default="",
-        help="args for scripts/gpu_hook_check.py; {json_out} and {work} are substituted")
+    add("--hook-check-args", default="--model-dir {model_dir} --out-dir {hook_out} --timeout-s {timeout_s}",
+        help="args for scripts/gpu_hook_check.py; {model_dir} {hook_out} {json_out} {work} {timeout_s} are "
+             "substituted, and {json_out} (= {hook_out}/gpu_hook_check.json) is read back")
     add("--hook-timeout-s", type=float, default=180.0)
     add("--hook-check-script", default=str(REPO / "scripts" / "gpu_hook_check.py"), help=argparse.SUPPRESS)
     return parser
 
 
 def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    if {"pristine", "tokens", "bench"} & set(args.phases) and "models" not in args.phases:
+    if {"pristine", "tokens", "bench", "hooks"} & set(args.phases) and "models" not in args.phases:
         args.phases = report.parse_phases(",".join(["models", *args.phases]))  # cheap: reuses built models
     if args.platform == "cpu" and "plain_graphs" in args.variants:
         args.variants = [v for v in args.variants if v != "plain_graphs"]
@@ -287,7 +288,7 @@ def _record(run: Run, name: str, fn: Callable[[Run], dict[str, Any]]) -> None:
         result = fn(run)
         record.update(result)
         record["status"] = result.get("status", "ok")
-        record["error"] = None
+        record.setdefault("error", None)
     except Exception as exc:  # noqa: BLE001 - one phase failing must not lose the others
         record.update(status="failed", error=f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
     record["seconds"] = round(time.monotonic() - started, 1)

@@ -180,9 +180,11 @@ def phase_rtt(run: Run) -> dict[str, Any]:
                              log_name="bench-gloo-roundtrip-help")
         if "--device" in helped["stdout"]:
             ext = run.run_cmd([sys.executable, str(external), "--device", device,
-                               *shlex.split(run.args.gloo_bench_args)], env=run.env(), timeout_s=180,
+                               *shlex.split(run.args.gloo_bench_args)],
+                              env=run.env(overlay=False, vllm=False, extra=[str(REPO / "overlay")]), timeout_s=180,
                               log_name="bench-gloo-roundtrip")
-            result["bench_gloo_roundtrip"] = {"rc": ext["rc"], "json": last_json(ext["stdout"]), "tail": ext["tail"]}
+            result["bench_gloo_roundtrip"] = {"rc": ext["rc"], "table": ext["stdout"].strip()[-3000:],
+                                              "tail": None if ext["rc"] == 0 else ext["tail"]}
         else:
             result["bench_gloo_roundtrip"] = {"note": "present without --device; not run on the GPU"}
     else:
@@ -333,19 +335,27 @@ def phase_pristine(run: Run) -> dict[str, Any]:
 
 
 def phase_hooks(run: Run) -> dict[str, Any]:
+    """scripts/gpu_hook_check.py (MRV2 hooks fire right, eager and FULL_DECODE_ONLY) on the first model."""
     script = Path(run.args.hook_check_script)
     if not script.is_file():
         return {"result_status": "missing", "status": "missing"}
+    arch = next((a for a in run.args.models if a in run.models), None)
+    if arch is None:
+        raise RuntimeError("gpu_hook_check needs a tiny model; the models phase built none")
     probe_entries = install_overlay.install(REPO / "tests" / "hook_probe", run.work_dir / "probe-site")
-    json_out = run.work_dir / "hook_check.json"
-    json_out.unlink(missing_ok=True)
-    extra = shlex.split(run.args.hook_check_args.format(json_out=json_out, work=run.work_dir))
+    hook_out = run.logs_dir / "hook_check"  # inside the log archive: per-mode vLLM logs and events
+    budget_s = max(30.0, min(run.args.hook_timeout_s, run.time_left() - 20))
+    fields = {"model_dir": run.models[arch]["path"], "hook_out": hook_out, "json_out": hook_out / "gpu_hook_check.json",
+              "work": run.work_dir, "timeout_s": int(budget_s / 2)}  # two vLLM runs: eager, then graphs
+    extra = shlex.split(run.args.hook_check_args.format(**fields))
     done = run.run_cmd([sys.executable, str(script), *extra], env=run.env(extra=probe_entries),
-                       timeout_s=run.args.hook_timeout_s, log_name="gpu-hook-check")
+                       timeout_s=budget_s, log_name="gpu-hook-check")
+    json_out = Path(fields["json_out"])
     parsed = json.loads(json_out.read_text()) if json_out.is_file() else last_json(done["stdout"])
-    return {"rc": done["rc"], "result": parsed, "tail": None if parsed is not None else done["tail"],
-            "result_status": "passed" if done["rc"] == 0 else f"rc {done['rc']}",
-            "status": "ok" if done["rc"] == 0 else "failed"}
+    ok = done["rc"] == 0
+    return {"rc": done["rc"], "model": arch, "result": parsed,
+            "result_status": "passed" if ok else f"rc {done['rc']}", "status": "ok" if ok else "failed",
+            "error": None if ok else done["tail"][-1500:]}
 
 
 def finalize(run: Run) -> None:

@@ -32,9 +32,6 @@ import install_overlay  # noqa: E402
 import serving  # noqa: E402
 from bench_connector_rtt import parse_shapes, run_bench  # noqa: E402
 
-# --------------------------------------------------------------------------- install_overlay
-
-
 def test_read_project_of_the_overlay():
     info = install_overlay.read_project(ROOT)
 
@@ -117,9 +114,6 @@ def test_join_pythonpath_keeps_order_and_drops_repeats():
     assert joined.split(os.pathsep) == ["/a", "/b", "/c"]
 
 
-# ------------------------------------------------------------------------------- e2e_report
-
-
 def test_parse_phases_orders_and_rejects():
     assert report.parse_phases("tokens,patch, models") == ["models", "patch", "tokens"]
     assert report.parse_phases("all") == list(report.PHASES)
@@ -130,19 +124,12 @@ def test_parse_phases_orders_and_rejects():
         report.parse_phases(" , ")
 
 
-@pytest.mark.parametrize("text, expected", [("2GiB", 2 << 30), ("512m", 512 << 20), ("1024", 1024),
-                                            ("1.5 GiB", 3 << 29), ("7b", 7)])
-def test_parse_bytes(text, expected):
-    assert report.parse_bytes(text) == expected
-
-
-@pytest.mark.parametrize("text", ["", "GiB", "2 TB", "-1G"])
-def test_parse_bytes_rejects(text):
-    with pytest.raises(ValueError, match="not understood"):
-        report.parse_bytes(text)
-
-
-def test_parse_int_list():
+def test_parse_bytes_and_int_lists():
+    for text, expected in (("2GiB", 2 << 30), ("512m", 512 << 20), ("1024", 1024), ("1.5 GiB", 3 << 29)):
+        assert report.parse_bytes(text) == expected
+    for bad in ("", "GiB", "2 TB", "-1G"):
+        with pytest.raises(ValueError, match="not understood"):
+            report.parse_bytes(bad)
     assert report.parse_int_list("1, 32", "--x") == [1, 32]
     for bad in ("", "0", "a,1", "-3"):
         with pytest.raises(ValueError, match="positive integers"):
@@ -251,9 +238,6 @@ def test_render_markdown_shows_tables_and_ratios():
             "AFD/plain eager tok/s at B=32: 0.8") in text
 
 
-# ----------------------------------------------------------------------------------- serving
-
-
 def _args_after(args, flag):
     return args[args.index(flag) + 1]
 
@@ -322,12 +306,9 @@ def test_scan_log():
     assert serving.scan_log("nothing")["graphs_captured"] is False
 
 
-# ------------------------------------------------------------------------------------ gpu_e2e
-
-
-def _parse(*argv):
+def _parse(*argv, out="x"):
     parser = gpu_e2e.build_parser()
-    args = parser.parse_args(["--out", "x", *argv])
+    args = parser.parse_args(["--out", out, *argv])
     gpu_e2e.check_args(parser, args)
     return args
 
@@ -348,21 +329,30 @@ def test_cli_defaults_and_checks(capsys):
         assert message in capsys.readouterr().err
 
 
-def test_run_skeleton_writes_outputs_within_device_limits(tmp_path):
-    """A run with only the hook phase (script absent): summary, report and log archive, <= 8 files."""
+def test_run_skeleton_records_a_failed_phase_and_keeps_outputs_within_device_limits(tmp_path):
+    """A patch phase on a directory without vllm/ fails; summary, report and log archive still come back."""
     out = tmp_path / "out"
-    code = gpu_e2e.main(["--out", str(out), "--phases", "hooks", "--platform", "cpu", "--work", str(tmp_path / "w"),
-                         "--afd-site", str(tmp_path / "site"), "--vllm-site", str(tmp_path / "vs"),
-                         "--hook-check-script", str(tmp_path / "absent.py"), "--budget-s", "120"])
+    code = gpu_e2e.main(["--out", str(out), "--phases", "patch", "--platform", "cpu", "--work", str(tmp_path / "w"),
+                         "--afd-site", str(tmp_path / "site"), "--vllm-site", str(tmp_path / "vs"), "--budget-s", "120"])
 
     summary = json.loads((out / "summary.json").read_text())
-    assert code == 0 and summary["phases"]["hooks"]["status"] == "missing"
+    assert code == 1 and summary["phases"]["patch"]["status"] == "failed"
+    assert "no vllm/ directory inside" in summary["phases"]["patch"]["error"]
     assert summary["device"]["cuda_available"] is False
     assert (tmp_path / "site" / "vllm_afd-0.1.0.dist-info" / "entry_points.txt").is_file()
+    assert "| patch | failed |" in (out / "summary.md").read_text()
     files = [p for p in out.rglob("*") if p.is_file()]
     assert sorted(p.name for p in files) == ["logs.tar.gz", "summary.json", "summary.md"]
     with tarfile.open(out / "logs.tar.gz") as tar:
-        assert "logs/device-probe.log" in tar.getnames()
+        assert {"logs/device-probe.log", "logs/apply-patches.log"} <= set(tar.getnames())
+
+
+def test_hook_phase_without_the_script_says_missing(tmp_path):
+    run = gpu_e2e.Run(_parse("--work", str(tmp_path / "w"), "--afd-site", str(tmp_path / "site"),
+                             "--hook-check-script", str(tmp_path / "absent.py"), out=str(tmp_path / "out")))
+    run.models = {"qwen3_moe": {"path": str(tmp_path / "model")}}
+
+    assert phases.phase_hooks(run) == {"result_status": "missing", "status": "missing"}
 
 
 def test_run_keeps_inside_the_device_command_limit(tmp_path):
@@ -375,9 +365,6 @@ def test_run_keeps_inside_the_device_command_limit(tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["budget_s"] < 0
     assert summary["phases"]["hooks"]["status"] == "skipped"
-
-
-# ------------------------------------------------------------------------- bench_connector_rtt
 
 
 def test_parse_shapes_and_last_json():

@@ -112,7 +112,7 @@ TINY_ARCHS: dict[str, TinyArch] = {
     "deepseek_v2_mla": TinyArch(
         config_cls="DeepseekV2Config", model_cls="DeepseekV2ForCausalLM",
         config=dict(_DEEPSEEK, kv_lora_rank=512, qk_nope_head_dim=64, qk_rope_head_dim=64,
-                    v_head_dim=64),
+                    v_head_dim=128),
     ),
 }
 

@@ -4,10 +4,10 @@ vLLM loads it through the `vllm.general_plugins` entry point in every process (f
 end, engine core, workers, the model-inspection subprocess). It does nothing unless
 `AFD_HOOK_PROBE_OUT=<dir>` is set; then it registers a VllmConfig hook, a forward-context
 hook and (when `AFD_HOOK_PROBE_VETO=<message>` is set) a request veto, and every hook
-appends one JSON line per call to `<dir>/events-<pid>.jsonl`. Tests read those files
-(see `read_events`) and compare counts. The probe's workers and runner live in
-`afd_hook_probe.cpu_worker`, `.gpu_worker` and `.mrv2`; the config hook selects a worker
-only while `parallel_config.worker_cls` is still "auto".
+appends one JSON line per call to `<dir>/events-<pid>.jsonl`; tests/hooks and
+scripts/gpu_hook_check.py read those files and compare counts. The probe's workers and
+runner live in `afd_hook_probe.cpu_worker`, `.gpu_worker` and `.mrv2`; the config hook
+selects a worker only while `parallel_config.worker_cls` is still "auto".
 """
 
 from __future__ import annotations
@@ -41,14 +41,6 @@ def record(event: str, **fields: Any) -> None:
     path = Path(out) / f"events-{os.getpid()}.jsonl"
     with path.open("a", encoding="utf-8") as f:
         f.write(json.dumps(line, sort_keys=True) + "\n")
-
-
-def read_events(out_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    """All events written under `out_dir`, file by file, in write order."""
-    events: list[dict[str, Any]] = []
-    for path in sorted(Path(out_dir).glob("events-*.jsonl")):
-        events += [json.loads(x) for x in path.read_text(encoding="utf-8").splitlines() if x]
-    return events
 
 
 def register() -> None:
