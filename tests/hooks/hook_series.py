@@ -59,12 +59,12 @@ def find_pinned_wheel(pin: dict[str, str]) -> Path | None:
     return None
 
 
-def apply_series(root: Path) -> str:
-    """Apply the series to `root` (contains vllm/); returns the tool's output."""
+def apply_series(root: Path, flavor: str) -> str:
+    """Apply the series to `root` (contains vllm/ of the `flavor` wheel); returns the output."""
     applier = REPO / "scripts" / "apply_patches.py"
     if applier.is_file():
         done = subprocess.run(
-            [sys.executable, str(applier), "--apply-to", str(root)],
+            [sys.executable, str(applier), "--apply-to", str(root), "--flavor", flavor],
             cwd=REPO, capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S,
         )
         assert done.returncode == 0, f"apply_patches.py --apply-to failed:\n{done.stdout}{done.stderr}"
