@@ -222,8 +222,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--max-tokens must be >= 2 and --rounds >= 1")
     args.out.mkdir(parents=True, exist_ok=True)
 
-    # NOTE: the vLLM started first measured 5-10 % slower in both orders on the 2-core dev
-    # machine (CPU binding); a session per start order cancels that bias.
+    # NOTE: on the 2-core dev machine one pair of single-order runs moved by 5-10 % with the
+    # start order (ratio 1.05 patched-first, 0.89 pristine-first); one session per order
+    # cancels such a bias.
     firsts = ["patched"] if args.one_session else ["patched", "pristine"]
     sessions = {first: run_session(args, first) for first in firsts}
     micro = {name: micro_us(name, getattr(args, f"{name}_python"),

@@ -228,3 +228,13 @@ class AFDCausalLMMixin:
                 f"{self.afd_moe_layers}. Dense layers never cross with the gate on attention."
             )
         return is_moe
+
+
+def role_norm(config: Any, attention: bool) -> nn.Module:
+    """A native RMSNorm on the attention role; a parameter-free placeholder on the FFN."""
+    from vllm.model_executor.layers.layernorm import RMSNorm
+    from vllm.model_executor.models.utils import PPMissingLayer
+
+    if attention:
+        return RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+    return PPMissingLayer()

@@ -26,7 +26,6 @@ from vllm.distributed import (
 )
 from vllm.model_executor.layers.fused_moe import FusedMoEFactory, GateLinear
 from vllm.model_executor.layers.fused_moe.utils import is_model_fused_shared_expert_compatible
-from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
 from vllm.model_executor.models.deepseek_v2 import (
     DeepseekAttention,
@@ -53,6 +52,7 @@ from vllm_afd.models.base import (
     copy_packed_modules_mapping,
     mlp_kind,
     read_afd_settings,
+    role_norm,
 )
 from vllm_afd.models.proxy import RemoteFFNProxy, RemoteMoEProxyMixin
 from vllm_afd.models.split import is_moe_layer
@@ -284,12 +284,8 @@ class AFDDeepseekV2DecoderLayer(DeepseekV2DecoderLayer):
         # Same registration order as the native layer: self_attn, mlp, both norms.
         self.self_attn = _self_attn(vllm_config, config, prefix) if attention else PPMissingLayer()
         self.mlp = _mlp(vllm_config, config, prefix, self.layer_idx)
-        if attention:
-            self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-            self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        else:
-            self.input_layernorm = PPMissingLayer()
-            self.post_attention_layernorm = PPMissingLayer()
+        self.input_layernorm = role_norm(config, attention)
+        self.post_attention_layernorm = role_norm(config, attention)
 
 
 @support_torch_compile
@@ -334,7 +330,7 @@ class AFDDeepseekV2Model(DeepseekV2Model):
             self.layers, DeepseekV2MoE, "mlp"
         )
         self.norm = (
-            RMSNorm(config.hidden_size, eps=config.rms_norm_eps) if attention else PPMissingLayer()
+            role_norm(config, attention)
         )
         self.make_empty_intermediate_tensors = make_empty_intermediate_tensors_factory(
             ["hidden_states", "residual"], config.hidden_size

@@ -15,7 +15,6 @@ from vllm.compilation.decorators import support_torch_compile
 from vllm.config import VllmConfig
 from vllm.distributed import get_ep_group, get_tensor_model_parallel_world_size
 from vllm.model_executor.layers.fused_moe import FusedMoEFactory
-from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import ReplicatedLinear
 from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
 from vllm.model_executor.models.qwen3_moe import (
@@ -39,6 +38,7 @@ from vllm_afd.models.base import (
     copy_packed_modules_mapping,
     mlp_kind,
     read_afd_settings,
+    role_norm,
 )
 from vllm_afd.models.proxy import RemoteFFNProxy, RemoteMoEProxyMixin
 from vllm_afd.models.split import is_moe_layer
@@ -222,12 +222,8 @@ class AFDQwen3MoeDecoderLayer(Qwen3MoeDecoderLayer):
         # Same registration order as the native layer: self_attn, mlp, both norms.
         self.self_attn = _self_attn(vllm_config, prefix) if attention else PPMissingLayer()
         self.mlp = _mlp(vllm_config, prefix, is_fused_checkpoint_transposed)
-        if attention:
-            self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-            self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        else:
-            self.input_layernorm = PPMissingLayer()
-            self.post_attention_layernorm = PPMissingLayer()
+        self.input_layernorm = role_norm(config, attention)
+        self.post_attention_layernorm = role_norm(config, attention)
 
 
 @support_torch_compile
@@ -262,7 +258,7 @@ class AFDQwen3MoeModel(Qwen3MoeModel):
             prefix=f"{prefix}.layers",
         )
         self.norm = (
-            RMSNorm(config.hidden_size, eps=config.rms_norm_eps) if attention else PPMissingLayer()
+            role_norm(config, attention)
         )
         self.make_empty_intermediate_tensors = make_empty_intermediate_tensors_factory(
             ["hidden_states", "residual"], config.hidden_size
