@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from vllm_afd.testing.server import VllmServer, cpu_server_env, free_port
+from vllm_afd.testing.server import VllmServer, cpu_server_env, free_ports
 
 DEFAULT_CONNECTOR = "P2pGlooAFDConnector"
 
@@ -45,17 +45,20 @@ class AFDDeployment:
         ffn_cpus: str = "0",
         startup_timeout_s: float = 600.0,
     ):
-        self.afd_port = free_port()
+        # NOTE: three ports bound at once, so the rendezvous port and the two HTTP ports
+        # can never be handed out twice.
+        self.afd_port, ffn_http_port, attention_http_port = free_ports(3)
         self.attention_first = attention_first
         fields = dict(afd_fields or {})
         common = dict(python=python, launcher="cli", startup_timeout_s=startup_timeout_s)
         self.ffn = VllmServer(
-            ffn_model or model, **common, log_path=Path(log_dir) / "ffn.log",
+            ffn_model or model, **common, port=ffn_http_port, log_path=Path(log_dir) / "ffn.log",
             extra_args=[*afd_args("ffn", self.afd_port, **fields), *ffn_args],
             env={**cpu_server_env(omp_cpus=ffn_cpus), **(env or {})},
         )
         self.attention = VllmServer(
-            model, **common, log_path=Path(log_dir) / "attention.log",
+            model, **common, port=attention_http_port,
+            log_path=Path(log_dir) / "attention.log",
             extra_args=[*afd_args("attention", self.afd_port, **fields), *attention_args],
             env={**cpu_server_env(omp_cpus=attention_cpus), **(env or {})},
         )

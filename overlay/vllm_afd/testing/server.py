@@ -52,6 +52,18 @@ class ServerStartError(RuntimeError):
     """The server exited or did not become healthy in time."""
 
 
+def free_ports(num_ports: int, host: str = "127.0.0.1") -> list[int]:
+    """`num_ports` distinct TCP ports that were free a moment ago (all bound at once)."""
+    sockets = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(num_ports)]
+    try:
+        for sock in sockets:
+            sock.bind((host, 0))
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port that was free a moment ago (bind to port 0, read it back)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
