@@ -7,7 +7,6 @@ serves several checks, and the order of roles alternates between the two models.
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 
