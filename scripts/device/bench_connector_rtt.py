@@ -184,6 +184,8 @@ def run_rank(role: str, spec: dict[str, Any], results: Any) -> None:
         import torch
 
         device = torch.device(spec["device"])
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", 0)  # set_device needs an index ("cuda" has none)
         if device.type == "cuda":
             torch.cuda.set_device(device)
         out: list[dict[str, Any]] = []
