@@ -125,6 +125,14 @@ def check_features(vllm_config: VllmConfig, afd: AFDConfig, platform: str) -> No
             "--tensor-parallel-size."
         )
 
+    if role == "ffn" and parallel.data_parallel_size > 1:
+        # NOTE: FFN DP ranks would need FFN-level DPMetadata for vLLM's MoE dispatch
+        # (AFD_SPEC §3.4); not built or tested yet, so refuse instead of hanging.
+        raise ValueError(
+            f"AFD FFN role with data parallelism (--data-parallel-size "
+            f"{parallel.data_parallel_size}) is not supported yet; scale the FFN with "
+            "--tensor-parallel-size instead."
+        )
     if parallel.enable_eplb:
         _reject("expert-parallel load balancing (EPLB)", "--enable-eplb")
     if parallel.enable_elastic_ep:
