@@ -14,6 +14,8 @@ from typing import Any
 
 from vllm.v1.worker.gpu.cudagraph_utils import ModelCudaGraphManager
 
+from vllm_afd.attention.payloads import capture_counts
+
 
 class AFDModelCudaGraphManager(ModelCudaGraphManager):
     """Publishes warm-up and capture payloads; replay is published by the runner."""
@@ -25,7 +27,7 @@ class AFDModelCudaGraphManager(ModelCudaGraphManager):
         runner = self.afd_runner
         num_dp_ranks = runner.vllm_config.parallel_config.data_parallel_size
         runner.afd_connector.control_plane.send_dp_metadata(
-            {0: [desc.num_tokens] * num_dp_ranks},
+            {0: capture_counts(desc.num_tokens, num_dp_ranks)},
             is_warmup=warmup,
             is_graph_capturing=not warmup,
         )

@@ -18,6 +18,7 @@ from vllm.v1.worker.gpu.model_runner import GPUModelRunner
 
 from vllm_afd.attention.capture import bind_cudagraph_manager
 from vllm_afd.attention.mixin import AFDAttentionRunnerMixin
+from vllm_afd.attention.payloads import step_counts
 
 
 class AFDAttentionModelRunner(AFDAttentionRunnerMixin, GPUModelRunner):
@@ -44,15 +45,10 @@ class AFDAttentionModelRunner(AFDAttentionRunnerMixin, GPUModelRunner):
 
     def _afd_step_counts(self, batch_desc: Any, dp_sync: Any) -> list[int]:
         """Rows per attention DP rank for this step, as every rank will send them."""
-        if self.vllm_config.parallel_config.data_parallel_size == 1:
-            return [batch_desc.num_tokens]
-        if dp_sync is None:
-            raise RuntimeError("AFD expected vLLM DPMetadata for attention DP > 1")
-        counts = [int(n) for n in dp_sync.num_tokens_across_dp.tolist()]
-        own = counts[self.afd_dp_rank]
-        assert own == batch_desc.num_tokens, (
-            f"AFD: DP sync says this rank runs {own} tokens, the batch {batch_desc.num_tokens}")
-        return counts
+        return step_counts(
+            self.vllm_config.parallel_config.data_parallel_size, self.afd_dp_rank,
+            batch_desc.num_tokens,
+            None if dp_sync is None else dp_sync.num_tokens_across_dp.tolist())
 
     def _afd_context_runs_model(self, context: ForwardContext) -> bool:
         # KV-connector and other side contexts carry no batch descriptor (AFD_SPEC §5.4).

@@ -21,6 +21,21 @@ def graph_key(dp_metadata_list: dict[int, Any]) -> tuple:
     )
 
 
+def run_mode(payload: Any, *, use_cuda_graph: bool, has_graph: bool) -> str:
+    """WARMUP, CAPTURE, REPLAY or EAGER for one payload (AFD_SPEC §6.5).
+
+    REPLAY needs all three: graphs on, the attention replaying, and a graph for the key; a
+    key match alone would replay during an eager prefill of the same shape.
+    """
+    if payload.is_warmup:
+        return "WARMUP"
+    if payload.is_graph_capturing:
+        return "CAPTURE"
+    if use_cuda_graph and payload.is_graph_replaying and has_graph:
+        return "REPLAY"
+    return "EAGER"
+
+
 class FFNGraphCache:
     """Recorded FFN steps and the one memory pool they share."""
 

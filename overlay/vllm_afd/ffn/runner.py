@@ -17,7 +17,7 @@ from vllm.config import VllmConfig, set_current_vllm_config
 from vllm.forward_context import create_forward_context, override_forward_context
 
 from vllm_afd.config import require_afd_config
-from vllm_afd.ffn.graphs import FFNGraphCache, graph_key
+from vllm_afd.ffn.graphs import FFNGraphCache, graph_key, run_mode
 from vllm_afd.validation import graph_mode
 
 
@@ -129,10 +129,12 @@ class AFDFFNModelRunner:
     def execute_model(self, payload: Any) -> torch.Tensor | None:
         if not payload.dp_metadata_list:
             raise RuntimeError("AFDFFNModelRunner requires dp_metadata_list")
-        if (self.graphs is not None and payload.is_graph_replaying
-                and self.graphs.has(graph_key(payload.dp_metadata_list))):
+        key = graph_key(payload.dp_metadata_list)
+        has_graph = self.graphs is not None and self.graphs.has(key)
+        if run_mode(payload, use_cuda_graph=self.use_cuda_graph, has_graph=has_graph) == "REPLAY":
+            # The receive buffers the graph recorded are keyed by shape and never evicted.
             self.connector.update_state_from_dp_metadata(payload)
-            return self.graphs.replay(graph_key(payload.dp_metadata_list))
+            return self.graphs.replay(key)
         return self._ffn_forward(payload, update_connector_state=True)
 
     def capture_model(self, payload: Any) -> int:
