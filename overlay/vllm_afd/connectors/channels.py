@@ -73,6 +73,17 @@ class ChannelPlan:
     def subgroup_size(self) -> int:
         return len(self.subgroup_members)
 
+    def channels(self) -> list[tuple[str, str, int, int]]:
+        """(channel, store prefix, group rank, group size) for every group this rank joins,
+        in the order every member creates them (NCCL creation blocks until all join)."""
+        channels = [
+            (A2E, f"afd/{A2E}/{self.subgroup}", self.subgroup_rank, self.subgroup_size),
+            (E2A, f"afd/{E2A}/{self.subgroup}", self.subgroup_rank, self.subgroup_size),
+        ]
+        if self.control_rank is not None:
+            channels.append((CONTROL, f"afd/{CONTROL}", self.control_rank, self.control_size))
+        return channels
+
     @classmethod
     def for_rank(cls, role: str, role_rank: int, num_attention_ranks: int, num_ffn_ranks: int) -> ChannelPlan:
         own = afd_rank(role, role_rank, num_ffn_ranks)

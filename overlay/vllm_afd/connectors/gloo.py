@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from vllm_afd.connectors.channels import A2E, CONTROL, E2A, ChannelPlan, P2pSettings, P2pTransport
+from vllm_afd.connectors.channels import ChannelPlan, P2pSettings, P2pTransport
 from vllm_afd.connectors.protocol import P2pAFDConnector
 
 __all__ = ["GlooTransport", "P2pGlooAFDConnector"]
@@ -52,13 +52,7 @@ class GlooTransport(P2pTransport):
         from torch.distributed import PrefixStore, ProcessGroupGloo
 
         timeout = datetime.timedelta(seconds=timeout_s)
-        channels = [
-            (A2E, f"afd/{A2E}/{plan.subgroup}", plan.subgroup_rank, plan.subgroup_size),
-            (E2A, f"afd/{E2A}/{plan.subgroup}", plan.subgroup_rank, plan.subgroup_size),
-        ]
-        if plan.control_rank is not None:
-            channels.append((CONTROL, f"afd/{CONTROL}", plan.control_rank, plan.control_size))
-        for name, prefix, rank, size in channels:
+        for name, prefix, rank, size in plan.channels():
             # Creation is bounded by what is left of the rendezvous; traffic by GLOO_OP_TIMEOUT.
             self._groups[name] = ProcessGroupGloo(PrefixStore(prefix, store), rank, size, timeout)
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from vllm_afd.connectors.channels import A2E, CONTROL, E2A, ChannelPlan, P2pSettings, P2pTransport
+from vllm_afd.connectors.channels import ChannelPlan, P2pSettings, P2pTransport
 from vllm_afd.connectors.protocol import P2pAFDConnector
 
 __all__ = ["DUPLICATE_GPU_MESSAGE", "NcclTransport", "P2pNcclAFDConnector"]
@@ -53,13 +53,7 @@ class NcclTransport(P2pTransport):
         from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
         from vllm.distributed.utils import StatelessProcessGroup
 
-        channels = [
-            (A2E, f"afd/{A2E}/{plan.subgroup}", plan.subgroup_rank, plan.subgroup_size),
-            (E2A, f"afd/{E2A}/{plan.subgroup}", plan.subgroup_rank, plan.subgroup_size),
-        ]
-        if plan.control_rank is not None:
-            channels.append((CONTROL, f"afd/{CONTROL}", plan.control_rank, plan.control_size))
-        for name, prefix, rank, size in channels:
+        for name, prefix, rank, size in plan.channels():
             group = StatelessProcessGroup(rank=rank, world_size=size, store=PrefixStore(prefix, store))
             try:
                 comm = PyNcclCommunicator(group, device=self.device)
