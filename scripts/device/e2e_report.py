@@ -12,12 +12,13 @@ from __future__ import annotations
 import random
 import re
 import statistics
+import xml.etree.ElementTree as ElementTree
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 # Execution order.  "pristine" runs the unpatched tree, so it must precede "patch".
-PHASES = ("models", "pristine", "patch", "rtt", "tokens", "bench", "hooks")
-DEFAULT_PHASES = ("patch", "models", "rtt", "tokens", "bench", "hooks")
+PHASES = ("models", "pristine", "patch", "gputests", "rtt", "tokens", "bench", "hooks")
+DEFAULT_PHASES = ("patch", "models", "gputests", "rtt", "tokens", "bench", "hooks")
 
 # Token checks: a few text prompts in the tiny tokenizer's domain, plus one chat turn.
 TEXT_PROMPTS = (
@@ -188,6 +189,32 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str
     return "\n".join(lines)
 
 
+def junit_cases(xml_text: str) -> list[dict[str, str]]:
+    """pytest's --junitxml report -> [{"test": "file::name", "outcome": passed|failed|error|skipped}]."""
+    cases = []
+    for case in ElementTree.fromstring(xml_text).iter("testcase"):
+        outcome = next((child.tag for child in case if child.tag in ("failure", "error", "skipped")), "passed")
+        outcome = {"failure": "failed"}.get(outcome, outcome)
+        module = case.get("classname", "").replace(".", "/")
+        cases.append({"test": f"{module}.py::{case.get('name')}", "outcome": outcome})
+    return cases
+
+
+def junit_counts(xml_text: str) -> dict[str, int]:
+    """Outcome -> number of tests, from pytest's --junitxml report."""
+    counts: dict[str, int] = {}
+    for case in junit_cases(xml_text):
+        counts[case["outcome"]] = counts.get(case["outcome"], 0) + 1
+    return counts
+
+
+def _gputest_lines(gputests: Mapping[str, Any]) -> list[str]:
+    rows = [[case["test"], case["outcome"]] for case in gputests.get("tests", [])]
+    if not rows:
+        return []
+    return ["### pytest on the GPU", "", markdown_table(["test", "outcome"], rows)]
+
+
 def _phase_lines(phases: Mapping[str, Any]) -> list[str]:
     rows = []
     for name, phase in phases.items():
@@ -334,7 +361,7 @@ def render_markdown(summary: Mapping[str, Any]) -> str:
     verdict = verdict_lines(summary)
     if verdict:
         lines += ["", "### Verdict", ""] + verdict
-    for block in (_token_lines(phases.get("tokens", {})), _bench_lines(phases.get("bench", {})),
+    for block in (_gputest_lines(phases.get("gputests", {})), _token_lines(phases.get("tokens", {})), _bench_lines(phases.get("bench", {})),
                   _rtt_lines(phases.get("rtt", {}), phases.get("bench", {})),
                   _server_lines(summary.get("servers", {}))):
         if block:

@@ -9,6 +9,7 @@ does everything in one go, each phase isolated so that one failure keeps the oth
     models    build the tiny checkpoints (qwen3_moe; DeepSeek with MLA-sized latents)
     pristine  (optional) plain vLLM on the *unpatched* tree: tokens and tok/s for the hook-cost ratio
     patch     apply patches/series to ~/vllm-site in place; import check of vLLM + overlay plugin
+    gputests  the repo's pytest tests marked `gpu` (CUDA-staged gloo connector, NCCL's one-GPU refusal)
     rtt       per-layer round trip through the gloo connector vs raw gloo (bench_connector_rtt.py)
     tokens    per model: plain eager, plain FULL_DECODE_ONLY graphs and AFD (FFN + attention, gloo,
               eager) served at once on the one GPU; greedy tokens compared (serving.py)
@@ -192,7 +193,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--vllm-site", default="~/vllm-site", help="directory holding the staged vllm/ (patched in place)")
     add("--afd-site", default="~/afd-site", help="where the overlay's dist-info is written")
     add("--work", default="~/afd-e2e", help="models, logs and scratch files")
-    add("--extra-wheels", default=str(REPO / ".devstage" / "extras"), help="carried wheels (unidiff)")
+    add("--extra-wheels", default=str(REPO / ".devstage" / "extras"),
+        help="carried pure-Python wheels (scripts/device/extras.txt)")
     add("--prebuilt-models", help="directory with carried <arch>/ tiny builds to reuse")
     add("--cuda-devices", default="0")
     add("--launcher", choices=("cli", "api_server"), default="cli")
@@ -217,6 +219,9 @@ def build_parser() -> argparse.ArgumentParser:
     add("--bench-repeats", type=int, default=3)
     add("--rtt-shapes", default="1x128,32x128,1x2048,64x2048,256x2048")
     add("--rtt-steps", type=int, default=100)
+    add("--gpu-tests", default="tests/connectors/test_connectors_cuda.py tests/unit/test_cuda_path.py",
+        help="pytest paths of the gputests phase")
+    add("--gpu-tests-marker", default="gpu or not gpu", help="pytest -m expression of the gputests phase")
     add("--gloo-bench-args", default="", help="extra args for scripts/bench_gloo_roundtrip.py --device cuda")
     add("--hook-check-args", default="--model-dir {model_dir} --out-dir {hook_out} --timeout-s {timeout_s}",
         help="args for scripts/gpu_hook_check.py; {model_dir} {hook_out} {json_out} {work} {timeout_s} are "
@@ -250,7 +255,8 @@ def main(argv: list[str] | None = None) -> int:
     run = Run(args)
     phase_fns: dict[str, Callable[[Run], dict[str, Any]]] = {
         "models": phases.phase_models, "pristine": phases.phase_pristine, "patch": phases.phase_patch,
-        "rtt": phases.phase_rtt, "hooks": phases.phase_hooks}
+        "rtt": phases.phase_rtt, "hooks": phases.phase_hooks,
+        "gputests": phases.phase_gputests}
     code = 0
     try:
         phases.reap_leftovers(run)

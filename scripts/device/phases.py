@@ -106,29 +106,36 @@ def reap_leftovers(run: Run) -> None:
         run.summary["notes"].append(f"killed leftover server process groups of an earlier run: {reaped}")
 
 
-def ensure_unidiff(run: Run) -> list[str]:
-    """scripts/apply_patches.py needs unidiff, which the GPU image lacks: install a carried wheel."""
+# Pure-Python tools the GPU image lacks, carried as wheels in --extra-wheels: unidiff for
+# scripts/apply_patches.py, pytest (+ its dependencies) for the `gputests` phase.
+TOOL_MODULES = ("unidiff", "pytest")
+
+
+def ensure_tools(run: Run) -> list[str]:
+    """PYTHONPATH entries that make TOOL_MODULES importable: the image's own, else the carried wheels."""
     target = run.work_dir / "tools"
+    probe = "import " + ", ".join(TOOL_MODULES)
     for entries in ([], [str(target)]):  # importable as is, or from an earlier run's install
         env = dict(os.environ, PYTHONPATH=install_overlay.join_pythonpath(entries, os.environ.get("PYTHONPATH")))
-        if run.run_cmd([sys.executable, "-c", "import unidiff"], env=env, timeout_s=60,
-                       log_name="unidiff-probe")["rc"] == 0:
+        if run.run_cmd([sys.executable, "-c", probe], env=env, timeout_s=60, log_name="tools-probe")["rc"] == 0:
             return entries
-    wheels = sorted(Path(run.args.extra_wheels).expanduser().glob("unidiff-*.whl"))
-    if not wheels:
+    wheels = sorted(Path(run.args.extra_wheels).expanduser().glob("*.whl"))
+    missing = [name for name in TOOL_MODULES if not any(w.name.startswith(f"{name}-") for w in wheels)]
+    if missing:
         raise RuntimeError(
-            f"gpu_e2e patch: unidiff is not importable and {run.args.extra_wheels} holds no unidiff-*.whl; "
-            "expected a carried wheel. On the CPU machine: python3 -m pip download --no-deps unidiff==1.0.1 "
-            "-d .devstage/extras, then carry .devstage/extras with this run.")
+            f"gpu_e2e: {', '.join(missing)} not importable and {run.args.extra_wheels} holds no wheel for it; "
+            "expected carried wheels. On the CPU machine: python3 -m pip download --no-deps --only-binary=:all: "
+            "-d .devstage/extras -r scripts/device/extras.txt, then carry .devstage/extras with this run.")
     # NOTE: a pure-Python wheel is a zip of the installed tree: unpacking it needs no pip.
     shutil.rmtree(target, ignore_errors=True)
-    with zipfile.ZipFile(wheels[-1]) as wheel:
-        wheel.extractall(target)
+    for wheel_path in wheels:
+        with zipfile.ZipFile(wheel_path) as wheel:
+            wheel.extractall(target)
     return [str(target)]
 
 
 def apply_patches(run: Run, *, reverse: bool) -> dict[str, Any]:
-    run.tool_entries = ensure_unidiff(run)
+    run.tool_entries = ensure_tools(run)
     argv = [sys.executable, str(REPO / "scripts" / "apply_patches.py"), "--apply-to", str(run.vllm_site)]
     env = dict(os.environ, PYTHONPATH=install_overlay.join_pythonpath(run.tool_entries, os.environ.get("PYTHONPATH")))
     done = run.run_cmd(argv + (["--reverse"] if reverse else []), env=env, timeout_s=180,
@@ -190,6 +197,22 @@ def phase_rtt(run: Run) -> dict[str, Any]:
     else:
         result["bench_gloo_roundtrip"] = {"note": "missing"}
     return result
+
+
+def phase_gputests(run: Run) -> dict[str, Any]:
+    """The repo's GPU-marked pytest tests (CUDA-staged gloo, NCCL's one-GPU refusal) on the device."""
+    if not run.tool_entries:
+        run.tool_entries = ensure_tools(run)
+    junit = run.work_dir / "gputests.xml"
+    junit.unlink(missing_ok=True)
+    argv = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-m", run.args.gpu_tests_marker,
+            f"--junitxml={junit}", *shlex.split(run.args.gpu_tests)]
+    done = run.run_cmd(argv, env=run.env(extra=run.tool_entries), timeout_s=300, log_name="gputests")
+    counts = report.junit_counts(junit.read_text()) if junit.is_file() else {}
+    # NOTE: skips are reported, not failed: test_cuda_path.py has CPU-only cases.
+    ok = done["rc"] == 0 and counts.get("passed", 0) > 0
+    return {"rc": done["rc"], "counts": counts, "tests": report.junit_cases(junit.read_text()) if junit.is_file() else [],
+            "status": "ok" if ok else "failed", "error": None if ok else done["tail"][-2000:]}
 
 
 def serve_round(run: Run, arch: str, variants: list[str], *, do_tokens: bool, do_bench: bool, prefix: str,

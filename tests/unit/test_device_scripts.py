@@ -315,7 +315,7 @@ def _parse(*argv, out="x"):
 
 def test_cli_defaults_and_checks(capsys):
     args = _parse()
-    assert args.phases == ["models", "patch", "rtt", "tokens", "bench", "hooks"]
+    assert args.phases == ["models", "patch", "gputests", "rtt", "tokens", "bench", "hooks"]
     assert args.models == ["qwen3_moe", "deepseek_v2_mla"] and args.kv_cache_bytes == 2 << 30
     assert _parse("--platform", "cpu").variants == ["plain_eager", "afd_eager"]
     assert _parse("--phases", "bench,patch").phases == ["models", "patch", "bench"]
@@ -385,3 +385,20 @@ def test_connector_bench_runs_on_cpu():
     assert row["rows"] == 2 and row["hidden"] == 64 and row["bytes"] == 256
     assert row["raw_host_ms"]["p50"] > 0 and row["connector_ms"]["p50"] > 0
     assert row["connector_over_raw_p50"] > 0 and "raw_staged_ms" not in row
+
+
+JUNIT = """<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="pytest" tests="4">
+<testcase classname="tests.connectors.test_connectors_cuda" name="test_gloo_stages" time="3.1"/>
+<testcase classname="tests.connectors.test_connectors_cuda" name="test_nccl_refuses"><failure message="x">tb</failure></testcase>
+<testcase classname="tests.unit.test_cuda_path" name="test_key"><skipped message="cpu only"/></testcase>
+<testcase classname="tests.unit.test_cuda_path" name="test_modes"><error message="setup">tb</error></testcase>
+</testsuite></testsuites>"""
+
+
+def test_gputests_phase_reads_pytest_junit_and_renders_each_test():
+    cases = report.junit_cases(JUNIT)
+
+    assert cases[0] == {"test": "tests/connectors/test_connectors_cuda.py::test_gloo_stages", "outcome": "passed"}
+    assert report.junit_counts(JUNIT) == {"passed": 1, "failed": 1, "skipped": 1, "error": 1}
+    text = report.render_markdown({"phases": {"gputests": {"status": "failed", "tests": cases}}})
+    assert "| tests/connectors/test_connectors_cuda.py::test_nccl_refuses | failed |" in text

@@ -24,7 +24,11 @@ VETO_ENV = "AFD_HOOK_PROBE_VETO"
 CPU_WORKER = "afd_hook_probe.cpu_worker.ProbeCPUWorker"
 GPU_WORKER = "afd_hook_probe.gpu_worker.ProbeGPUWorker"
 
-_installed_pid: int | None = None  # pid that ran install(); spawn children start at None
+# NOTE: registration is per interpreter, not per pid: a forked child (vLLM's engine core under
+# the `LLM` front end) inherits the parent's registered hooks, and registering them again there
+# made every hook fire twice per call in the child.
+_hooks_registered = False
+_process_recorded_pid: int | None = None
 
 
 def is_active() -> bool:
@@ -50,20 +54,22 @@ def register() -> None:
 
 
 def install() -> None:
-    """Register the probe's hooks once per process (also called by the probe workers)."""
-    global _installed_pid
-    if _installed_pid == os.getpid():
+    """Register the probe's hooks once per interpreter (also called by the probe workers)."""
+    global _hooks_registered, _process_recorded_pid
+    if _process_recorded_pid != os.getpid():
+        _process_recorded_pid = os.getpid()
+        record(
+            "process",
+            process_name=multiprocessing.current_process().name,
+            argv=sys.argv[:3],
+            ppid=os.getppid(),
+        )
+    if _hooks_registered:
         return
-    _installed_pid = os.getpid()
+    _hooks_registered = True
     from vllm.config.vllm import register_vllm_config_hook
     from vllm.forward_context import register_forward_context_hook
 
-    record(
-        "process",
-        process_name=multiprocessing.current_process().name,
-        argv=sys.argv[:3],
-        ppid=os.getppid(),
-    )
     register_vllm_config_hook(_on_vllm_config)
     register_forward_context_hook(_on_forward_context)
     message = os.environ.get(VETO_ENV)
