@@ -226,7 +226,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--hook-check-args", default="--model-dir {model_dir} --out-dir {hook_out} --timeout-s {timeout_s}",
         help="args for scripts/gpu_hook_check.py; {model_dir} {hook_out} {json_out} {work} {timeout_s} are "
              "substituted, and {json_out} (= {hook_out}/gpu_hook_check.json) is read back")
-    add("--hook-timeout-s", type=float, default=180.0)
+    add("--hook-timeout-s", type=float, default=420.0,
+        help="both hook-check modes together; a cold torch.compile of the graphs mode takes minutes")
     add("--hook-check-script", default=str(REPO / "scripts" / "gpu_hook_check.py"), help=argparse.SUPPRESS)
     return parser
 
