@@ -53,6 +53,9 @@ import install_overlay  # noqa: E402
 import phases  # noqa: E402
 
 
+# The gputests phase: the repo's tests that need a GPU, plus the CUDA path's pure tests.
+GPU_TESTS = ("tests/connectors/test_connectors_cuda.py", "tests/unit/test_ffn_graphs_cuda.py",
+             "tests/unit/test_cuda_path.py")
 # Seconds kept free at the end of a device command: stopping servers and packing the logs.
 COMMAND_RESERVE_S = 45.0
 
@@ -219,7 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--bench-repeats", type=int, default=3)
     add("--rtt-shapes", default="1x128,32x128,1x2048,64x2048,256x2048")
     add("--rtt-steps", type=int, default=100)
-    add("--gpu-tests", default="tests/connectors/test_connectors_cuda.py tests/unit/test_cuda_path.py",
+    add("--gpu-tests", default=" ".join(GPU_TESTS),
         help="pytest paths of the gputests phase")
     add("--gpu-tests-marker", default="gpu or not gpu", help="pytest -m expression of the gputests phase")
     add("--gloo-bench-args", default="", help="extra args for scripts/bench_gloo_roundtrip.py --device cuda")
