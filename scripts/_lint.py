@@ -10,7 +10,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-import _patchlib as pl
+import _diff
+import _series
 
 REQUIRED = ("Subject", "Why", "Upstream", "Remove-When")
 RECOMMENDED = ("Category", "How", "Anchor", "Used-By", "Upstream-Pin", "Last-Update")
@@ -24,8 +25,8 @@ def lint_series(patches_dir: Path, pin: dict[str, str]) -> tuple[list[str], list
     warnings: list[str] = []
     series = patches_dir / "series"
     try:
-        entries = pl.parse_series(series)
-    except pl.ConfigError as exc:
+        entries = _series.parse_series(series)
+    except _series.ConfigError as exc:
         return [str(exc)], []
     listed: dict[str, int] = {}
     for name, lineno in entries:
@@ -34,8 +35,8 @@ def lint_series(patches_dir: Path, pin: dict[str, str]) -> tuple[list[str], list
             errors.append(f"{where}: listed twice (first on line {listed[name]}); expected once")
             continue
         listed[name] = lineno
-        if not pl.PATCH_NAME_RE.match(name):
-            errors.append(f"{where}: name does not match {pl.PATCH_NAME_RE.pattern}; "
+        if not _series.PATCH_NAME_RE.match(name):
+            errors.append(f"{where}: name does not match {_series.PATCH_NAME_RE.pattern}; "
                           "expected <area>-<verb>-<object>.patch")
         if not (patches_dir / name).is_file():
             errors.append(f"{where}: file missing; expected {patches_dir / name}")
@@ -57,14 +58,14 @@ def lint_patch(name: str, data: bytes, pin: dict[str, str], errors: list[str],
         errors.append(f"{where}: not UTF-8 ({exc.reason} at byte {exc.start})")
     if not data.endswith(b"\n"):
         errors.append(f"{where}: no final newline; expected the file to end with \\n")
-    head, _, _ = pl.split_patch(data)
+    head, _, _ = _series.split_patch(data)
     if not head:
         errors.append(f"{where}: no header before a `---` line; expected `Field: value` lines")
     if any(line.endswith(b"\r\n") for line in head):
         errors.append(f"{where}: header lines end in CRLF; expected LF")
     try:
-        patch = pl.parse_patch(name, data)
-    except pl.ConfigError as exc:
+        patch = _series.parse_patch(name, data)
+    except _series.ConfigError as exc:
         errors.append(str(exc))
         return
     errors.extend(f"{where}: {msg}" for msg in patch.header_errors)
@@ -84,13 +85,13 @@ def lint_patch(name: str, data: bytes, pin: dict[str, str], errors: list[str],
                 errors.append(f"{where}: {fp.path} hunk {hunk.index} overlaps or precedes the previous one")
             last_end = hunk.source_start + hunk.source_length
             lead = hunk.num_lead
-            if fp.kind == "modify" and lead != pl.CONTEXT and hunk.source_start != 1:
+            if fp.kind == "modify" and lead != _diff.CONTEXT and hunk.source_start != 1:
                 warnings.append(f"{where}: {fp.path} hunk {hunk.index} has {lead} leading context "
                                 "lines; expected 3 (regenerate with --make-patch)")
         _lint_markers(where, patch.stem, fp, errors)
 
 
-def _lint_header(where: str, patch: pl.Patch, pin: dict[str, str], errors: list[str],
+def _lint_header(where: str, patch: _series.Patch, pin: dict[str, str], errors: list[str],
                  warnings: list[str]) -> None:
     header = patch.header
     for key in REQUIRED:
@@ -118,14 +119,14 @@ def _lint_header(where: str, patch: pl.Patch, pin: dict[str, str], errors: list[
         warnings.append(f"{where}: Last-Update {last_update!r}; expected YYYY-MM-DD")
 
 
-def _lint_markers(where: str, stem: str, fp: pl.FilePatch, errors: list[str]) -> None:
+def _lint_markers(where: str, stem: str, fp: _series.FilePatch, errors: list[str]) -> None:
     """Every `+` line inside a START/END fence of this patch's stem; fences balanced and aligned."""
     open_indent: bytes | None = None
     check_indent: bytes | None = None
     for hunk in fp.hunks:
         for num, (tag, line) in enumerate(hunk.lines, 1):
             at = f"{where}: {fp.path} hunk {hunk.index} line {num}"
-            match = pl.MARKER_RE.match(line)
+            match = _series.MARKER_RE.match(line)
             if match and tag == "+":
                 indent, kind, marker_stem = match.groups()
                 if marker_stem.decode() != stem:
@@ -164,7 +165,7 @@ def _blank_next_to_fence(lines, index: int) -> bool:
         return False
     before = next((x for x in reversed(lines[:index]) if x[1].strip()), None)
     after = next((x for x in lines[index + 1:] if x[1].strip()), None)
-    return any(x is not None and x[0] == "+" and pl.MARKER_RE.match(x[1]) and
+    return any(x is not None and x[0] == "+" and _series.MARKER_RE.match(x[1]) and
                (x is before) == (b"PATCH END" in x[1]) for x in (before, after))
 
 
@@ -178,6 +179,6 @@ def run_lint(patches_dir: Path, pin: dict[str, str], out) -> int:
         out.error(f"FAILED: lint: {len(errors)} violations ({len(warnings)} warnings); "
                   "fix them (PATCH_TOOLING.md §2, §6)")
         return 4
-    num = len(pl.parse_series(patches_dir / "series"))
+    num = len(_series.parse_series(patches_dir / "series"))
     out.info(f"OK: lint: {num} patches, no violations ({len(warnings)} warnings)")
     return 0

@@ -18,7 +18,8 @@ import re
 from pathlib import Path
 from typing import Callable
 
-import _patchlib as pl
+import _placement
+import _series
 import _wheel as wh
 
 WS_RE = re.compile(rb"\s+")
@@ -71,13 +72,13 @@ def _code_lines(lines: list[bytes]) -> list[bytes]:
     return [_norm(b) for b in lines if b.strip() and not b.strip().startswith(b"#")]
 
 
-def upstream_evidence(patch: pl.Patch, path: str, target: bytes | None) -> tuple[bool, str]:
+def upstream_evidence(patch: _series.Patch, path: str, target: bytes | None) -> tuple[bool, str]:
     """Does the unpatched target already hold this patch's additions to `path`?"""
     if target is None:
         return False, "file absent"
     added = [b for fp in patch.files if fp.path == path for h in fp.hunks for t, b in h.lines if t == "+"]
     names = [m.group(1) for m in (DEF_NAME_RE.match(b) for b in added) if m]
-    lines = set(_code_lines(pl.split_lines(target)))
+    lines = set(_code_lines(_series.split_lines(target)))
     code = _code_lines(added)
     defs_found = all(re.search(rb"(?m)^\s*(?:async\s+def|def|class)\s+" + n + rb"\b", target) for n in names)
     num_found = sum(1 for c in code if c in lines)
@@ -125,7 +126,7 @@ def fence_scopes(data: bytes, stem: str) -> list[tuple[int, set[str]]]:
     return result
 
 
-def anchor_problems(patch: pl.Patch, path: str, data: bytes) -> list[str]:
+def anchor_problems(patch: _series.Patch, path: str, data: bytes) -> list[str]:
     anchors = set(patch.header.get("Anchor", []))
     if not anchors or not path.endswith(".py"):
         return []
@@ -143,18 +144,18 @@ def anchor_problems(patch: pl.Patch, path: str, data: bytes) -> list[str]:
 def run_rebase(args, pin, patches, out) -> int:
     label, read = _source(args.rebase_report, args, out)
     fuzz = 2 if args.fuzz is None else args.fuzz
-    result = pl.apply_series(patches, read, fuzz=fuzz, max_offset=args.max_offset)
+    result = _placement.apply_series(patches, read, fuzz=fuzz, max_offset=args.max_offset)
     by_name = {p.name: p for p in patches}
     actions, code = [], 0
     for outcome in result.outcomes:
         patch = by_name[outcome.name]
         if outcome.status == "failed":
-            bad = {r.path for r in outcome.records if r.status in (pl.CONFLICT, pl.AMBIGUOUS)}
+            bad = {r.path for r in outcome.records if r.status in (_placement.CONFLICT, _placement.AMBIGUOUS)}
             evidence = {p: upstream_evidence(patch, p, result.before.get(p)) for p in bad}
             if bad and all(ok for ok, _ in evidence.values()):
                 for rec in outcome.records:
                     if rec.path in bad:
-                        rec.status, rec.method = pl.UPSTREAM, "upstream"
+                        rec.status, rec.method = _placement.UPSTREAM, "upstream"
                         rec.detail = evidence[rec.path][1]
                 outcome.status = "already upstream"
                 actions.append(f"`{patch.name}`: content present upstream ("
@@ -166,7 +167,7 @@ def run_rebase(args, pin, patches, out) -> int:
             actions.append(f"`{patch.name}`: {status}; refresh the patch against {label} "
                            "(see the conflicting hunks).")
         elif status in ("fuzz", "already upstream", "already applied") or any(
-                r.status == pl.OFFSET for r in outcome.records):
+                r.status == _placement.OFFSET for r in outcome.records):
             code = _worse(code, 3)
             if status == "fuzz":
                 actions.append(f"`{patch.name}`: places only with fuzz (flagged; never used to "
@@ -188,7 +189,7 @@ def run_rebase(args, pin, patches, out) -> int:
     return code
 
 
-def _duplicate_defs(patch: pl.Patch, result: pl.SeriesResult) -> list[str]:
+def _duplicate_defs(patch: _series.Patch, result: _placement.SeriesResult) -> list[str]:
     """A patch that places but adds a def/class the target already has: upstream caught up."""
     found = []
     for fp in patch.files:
@@ -211,7 +212,7 @@ def _version_of(label: str) -> str:
     return match.group(1) if match else "<version>"
 
 
-def _semantic(patches: list[pl.Patch], result: pl.SeriesResult) -> list[str]:
+def _semantic(patches: list[_series.Patch], result: _placement.SeriesResult) -> list[str]:
     findings = []
     for path in result.changed:
         data, before = result.after[path], result.before[path]
@@ -243,13 +244,13 @@ def render(label, pin, patches, result, semantic, actions, code) -> str:
         counts[outcome.status] = counts.get(outcome.status, 0) + 1
     lines = [f"## {label}", "",
              f"Generated {today} by `scripts/apply_patches.py --rebase-report`; series sha256 "
-             f"`{pl.series_sha256(patches)[:16]}` ({len(patches)} patches), VLLM_PIN "
+             f"`{_series.series_sha256(patches)[:16]}` ({len(patches)} patches), VLLM_PIN "
              f"`{pin['commit'][:7]}` (vLLM {pin['version']}). Exit {code}.", "",
              "Patches: " + ", ".join(f"{n} {s}" for s, n in sorted(counts.items())) + ".", "",
              "| patch | file | hunk | expected line | found line | offset | method | status |",
              "|---|---|---|---|---|---|---|---|"]
     for rec in result.records:
-        flag = " ⚠ fuzz" if rec.status == pl.FUZZ else ""
+        flag = " ⚠ fuzz" if rec.status == _placement.FUZZ else ""
         lines.append(f"| {rec.patch.removesuffix('.patch')} | `{rec.path}` | {rec.index}/{rec.count} | "
                      f"{rec.expected} | {rec.found or '—'} | "
                      f"{'—' if rec.offset is None else f'{rec.offset:+d}'} | {rec.method} | "

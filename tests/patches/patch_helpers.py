@@ -11,7 +11,7 @@ for _path in (ROOT / "scripts", ROOT / "tests"):
     if str(_path) not in sys.path:
         sys.path.insert(0, str(_path))
 
-import _patchlib as pl  # noqa: E402
+import _diff  # noqa: E402
 
 VERSION_PY = b"__version__ = version = '0.30.0'\n__commit_id__ = commit_id = 'gced6857af'\n"
 HEADER = (b"Subject: t: test patch\nCategory: seam\nWhy: test\nHow: test\nUpstream: local only\n"
@@ -53,7 +53,7 @@ def make_hook_patch(tree: Path, path: str, func: int, stem: str, header: bytes |
         header = HEADER.replace(b"Anchor: vllm/a.py::f\n", b"Anchor: %s::f%d\n" % (path.encode(), func))
     data = (tree / path).read_bytes()
     eol = b"\r\n" if b"\r\n" in data else b"\n"
-    return pl.make_patch(header, [(path, data, hook_edit(data, func, stem, eol))])
+    return _diff.make_patch(header, [(path, data, hook_edit(data, func, stem, eol))])
 
 
 def snapshot(root: Path) -> dict[str, bytes]:

@@ -10,7 +10,7 @@ import os
 import pytest
 from patch_helpers import HEADER, make_hook_patch, snapshot, write_series
 
-import _patchlib as pl
+import _series
 import _tree
 import _wheel as wh
 
@@ -284,7 +284,7 @@ def test_make_patch_round_trips_through_apply(run, tmp_path, tree, pin):
 
     assert code == 0 and applied == 0
     assert (tree / "vllm" / "b.py").read_bytes() == edited
-    assert pl.parse_patch("b-edit.patch", (pdir / "b-edit.patch").read_bytes()).header["Subject"]
+    assert _series.parse_patch("b-edit.patch", (pdir / "b-edit.patch").read_bytes()).header["Subject"]
 
 
 def test_list_prints_the_series_table(run, series, pin):

