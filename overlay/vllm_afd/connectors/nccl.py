@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from vllm_afd.connectors.channels import ChannelPlan, P2pSettings, P2pTransport
-from vllm_afd.connectors.protocol import P2pAFDConnector
+from vllm_afd.connectors.p2p import P2pAFDConnector
 
 __all__ = ["DUPLICATE_GPU_MESSAGE", "NcclTransport", "P2pNcclAFDConnector"]
 
