@@ -53,8 +53,12 @@ def test_replay_recomputes_from_the_static_input_and_keys_stay_apart(vllm_groups
     rows_8 = torch.zeros(8, 64, device=device)
     key_4, key_8 = ((0, (4,)),), ((0, (8,)),)
 
-    cache.capture(key_4, lambda: torch.relu(rows_4 @ weight))
-    cache.capture(key_8, lambda: torch.relu(rows_8 @ weight) * 2)
+    forward_4, forward_8 = (lambda: torch.relu(rows_4 @ weight)), (lambda: torch.relu(rows_8 @ weight) * 2)
+    # NOTE: as in serving, a warm-up payload runs the step eagerly before its capture payload
+    # (cuBLAS creates its handle on first use, which a capture cannot record).
+    forward_4(), forward_8()
+    cache.capture(key_4, forward_4)
+    cache.capture(key_8, forward_8)
     rows_4.copy_(torch.randn(4, 64, device=device))
     rows_8.copy_(torch.randn(8, 64, device=device))
 
