@@ -2,7 +2,8 @@
 
 Each `run_*` takes the parsed arguments (and the pin and the loaded series where it needs
 them), prints through `Out` and returns the mode's exit code; apply_patches.py parses the
-command line and dispatches here.  --lint and --rebase-report live in _lint.py and _rebase.py.
+command line and dispatches here.  --lint, --rebase-report and --refresh live in _lint.py,
+_rebase.py and _refresh.py.
 """
 from __future__ import annotations
 

@@ -8,6 +8,7 @@ Modes (PATCH_TOOLING.md §6; no mode = build):
   apply_patches.py --rebase-report 0.33.0|DIR [--out FILE.md]              drift on another vLLM
   apply_patches.py --lint | --list | --verify-wheel WHL [--against UP.whl]
   apply_patches.py --make-patch --header H.txt --orig DIR --new DIR --out X.patch FILES...
+  apply_patches.py --refresh [DIR] [--patch NAME] [--dry-run]              patches/ from an edited tree
 
 Exit codes (the most severe wins: 70 > 5 > 6 > 1 > 7 > 4 > 3 > 0): 0 ok or already applied;
 1 a hunk does not place; 2 usage/config; 3 drift (offset under --strict, fuzz, blob ids);
@@ -44,6 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     modes.add_argument("--list", action="store_true", help="series table")
     modes.add_argument("--verify-wheel", metavar="WHL", help="verify a built wheel (exit 7)")
     modes.add_argument("--make-patch", action="store_true", help="write a patch from two trees")
+    modes.add_argument("--refresh", nargs="?", const="", metavar="DIR",
+                       help="rewrite patches/ from an edited patched tree (no DIR: from the series itself)")
     parser.add_argument("--vllm", metavar="REF", help="pinned commit (prefix), version, .whl or tree")
     parser.add_argument("--src", metavar="DIR", help="vLLM source tree to check against (any commit)")
     parser.add_argument("--flavor", choices=("cuda", "cpu", "all"), default="cuda")
@@ -57,7 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--out", help="build: output dir (dist); rebase/make-patch: output file")
     parser.add_argument("--against", metavar="WHL", help="--verify-wheel: the upstream wheel")
     parser.add_argument("--reverse", action="store_true", help="un-apply (with --apply-to)")
-    parser.add_argument("--dry-run", action="store_true", help="--apply-to: write nothing")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="--apply-to: write nothing; --refresh: write nothing, exit 3 if a patch is stale")
+    parser.add_argument("--patch", metavar="NAME", help="--refresh: only this patch")
     parser.add_argument("--strict", action="store_true", help="--check: offsets and blob ids are drift")
     parser.add_argument("--max-offset", type=int, metavar="N")
     parser.add_argument("--fuzz", type=int, default=None, metavar="N",
@@ -87,6 +92,8 @@ def _validate(parser: argparse.ArgumentParser, args) -> None:
         parser.error("--make-patch needs --header, --orig, --new, --out and FILES")
     if args.files and not args.make_patch:
         parser.error(f"unexpected arguments {args.files} (FILES only go with --make-patch)")
+    if args.patch and args.refresh is None:
+        parser.error(f"--patch {args.patch}: only --refresh takes --patch")
     if args.wheel and args.flavor == "all":
         parser.error("--wheel PATH builds one flavor; drop --flavor all")
 
@@ -132,6 +139,9 @@ def _dispatch(args, out: Out) -> int:
         return run_list(patches, out)
     if args.check:
         return run_check(args, pin, patches, out)
+    if args.refresh is not None:
+        import _refresh
+        return _refresh.run_refresh(args, pin, patches, out)
     if args.apply_to or args.installed:
         return run_apply_to(args, pin, patches, out)
     return run_build(args, pin, patches, out)
