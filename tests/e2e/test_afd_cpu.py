@@ -126,6 +126,22 @@ def test_two_attention_ranks_share_one_ffn(tiny_model_dir, vllm_python, tmp_path
     assert [g.token_ids for g in batched] == plain_outputs_qwen
 
 
+def test_two_attention_dp_ranks_share_one_ffn(tiny_model_dir, vllm_python, tmp_path, plain_outputs_qwen):
+    # Attention DP: two engine cores (and two API servers) behind one port; the idle rank runs
+    # vLLM's dummy batches, which cross to the FFN as one row each.
+    afd = AFDDeployment(tiny_model_dir("qwen3_moe"), python=vllm_python, log_dir=tmp_path,
+                        afd_fields={"num_attention_ranks": 2},
+                        attention_args=["--data-parallel-size", "2"],
+                        attention_cpus="1|1")
+
+    with afd:
+        batched = complete_batch(afd.attention.base_url, PROMPTS, MAX_TOKENS)
+        one_by_one = [complete(afd.attention.base_url, prompt, MAX_TOKENS).token_ids for prompt in PROMPTS]
+
+    assert [g.token_ids for g in batched] == plain_outputs_qwen
+    assert one_by_one == plain_outputs_qwen
+
+
 @pytest.fixture(scope="module")
 def plain_outputs_qwen(tiny_model_dir, vllm_python, tmp_path_factory):
     from vllm_afd.testing.server import VllmServer, cpu_server_env
