@@ -386,19 +386,3 @@ def test_connector_bench_runs_on_cpu():
     assert row["raw_host_ms"]["p50"] > 0 and row["connector_ms"]["p50"] > 0
     assert row["connector_over_raw_p50"] > 0 and "raw_staged_ms" not in row
 
-
-JUNIT = """<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="pytest" tests="4">
-<testcase classname="tests.connectors.test_connectors_cuda" name="test_gloo_stages" time="3.1"/>
-<testcase classname="tests.connectors.test_connectors_cuda" name="test_nccl_refuses"><failure message="x">tb</failure></testcase>
-<testcase classname="tests.unit.test_cuda_path" name="test_key"><skipped message="cpu only"/></testcase>
-<testcase classname="tests.unit.test_cuda_path" name="test_modes"><error message="setup">tb</error></testcase>
-</testsuite></testsuites>"""
-
-
-def test_gputests_phase_reads_pytest_junit_and_renders_each_test():
-    cases = report.junit_cases(JUNIT)
-
-    assert cases[0] == {"test": "tests/connectors/test_connectors_cuda.py::test_gloo_stages", "outcome": "passed"}
-    assert report.junit_counts(JUNIT) == {"passed": 1, "failed": 1, "skipped": 1, "error": 1}
-    text = report.render_markdown({"phases": {"gputests": {"status": "failed", "tests": cases}}})
-    assert "| tests/connectors/test_connectors_cuda.py::test_nccl_refuses | failed |" in text
