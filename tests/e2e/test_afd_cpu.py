@@ -113,26 +113,17 @@ def test_ffn_serving_another_model_is_refused_by_the_handshake(tiny_model_dir, v
     assert "architecture (attention=Qwen3MoeForCausalLM, ffn=DeepseekV2ForCausalLM)" in log
 
 
-def test_two_attention_ranks_share_one_ffn(tiny_model_dir, vllm_python, tmp_path,
-                                           plain_outputs_qwen):
-    afd = AFDDeployment(tiny_model_dir("qwen3_moe"), python=vllm_python, log_dir=tmp_path,
-                        afd_fields={"num_attention_ranks": 2},
-                        attention_args=["--tensor-parallel-size", "2"],
-                        attention_cpus="0|1")
-
-    with afd:
-        batched = complete_batch(afd.attention.base_url, PROMPTS, MAX_TOKENS)
-
-    assert [g.token_ids for g in batched] == plain_outputs_qwen
-
-
-def test_two_attention_dp_ranks_share_one_ffn(tiny_model_dir, vllm_python, tmp_path, plain_outputs_qwen):
+@pytest.mark.parametrize("attention_args, attention_cpus", [
+    (["--tensor-parallel-size", "2"], "0|1"),
     # Attention DP: two engine cores (and two API servers) behind one port; the idle rank runs
     # vLLM's dummy batches, which cross to the FFN as one row each.
+    (["--data-parallel-size", "2"], "1|1"),
+], ids=["tp2", "dp2"])
+def test_two_attention_ranks_share_one_ffn(tiny_model_dir, vllm_python, tmp_path, plain_outputs_qwen,
+                                           attention_args, attention_cpus):
     afd = AFDDeployment(tiny_model_dir("qwen3_moe"), python=vllm_python, log_dir=tmp_path,
                         afd_fields={"num_attention_ranks": 2},
-                        attention_args=["--data-parallel-size", "2"],
-                        attention_cpus="1|1")
+                        attention_args=attention_args, attention_cpus=attention_cpus)
 
     with afd:
         batched = complete_batch(afd.attention.base_url, PROMPTS, MAX_TOKENS)
