@@ -18,23 +18,13 @@ import _series
 import _tree
 import _wheel as wh
 from _report import Out, hunk_summary, report_result, worst
-from _upstream import flavors_of, resolve_ref, upstream_wheel
+from _upstream import flavors_of, pristine_sources, read_file, resolve_ref, upstream_wheel
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def run_check(args, pin, patches, out: Out) -> int:
-    kind, path = resolve_ref(args, pin)
-    sources = []
-    if kind == "tree":
-        sources.append((f"tree {path}", lambda p, root=path: _read_tree(root, p)))
-    else:
-        if kind == "wheel":
-            args.wheel = str(path)
-        for flavor in flavors_of(args, patches, widen=True):
-            wheel = upstream_wheel(args, pin, flavor, out)
-            members = wh.read_members(wheel, _series.required_files(patches))
-            sources.append((f"{pin[flavor + '.dist']} {pin['version']}", members.get))
+    sources = pristine_sources(args, pin, patches, out, widen=True)
     code, report = 0, []
     for name, read in sources:
         out.info(f"Checking the series against {name}")
@@ -180,7 +170,8 @@ def run_apply_to(args, pin, patches, out: Out) -> int:
                   "expected none or all. Nothing was written. Restore vllm/ from the pinned wheel "
                   "(pip install --force-reinstall --no-deps) and rerun.")
         return worst(code, 6)
-    _require_same_series(tree, patches, reverse=args.reverse)
+    stamp_now = tree.read(wh.STAMP_PATH)
+    _require_same_series(tree, stamp_now, patches, reverse=args.reverse)
     problems = [] if args.reverse else _tree.postconditions(patches, result)
     for problem in problems:
         out.error(f"{tree.root}: {problem}; expected a compiling file with every marker. Fix the patch.")
@@ -189,7 +180,6 @@ def run_apply_to(args, pin, patches, out: Out) -> int:
         out.error(f"FAILED: {max(num_bad, 1)} of {len(patches)} patches; nothing written; "
                   "rerun with -v for the hunk dump")
         return worst(code, 1)
-    stamp_now = tree.read(wh.STAMP_PATH)
     if statuses == {"already applied"}:
         pristine = _placement.apply_series(patches, tree.read, reverse=not args.reverse)
         if args.reverse:
@@ -221,13 +211,12 @@ def run_apply_to(args, pin, patches, out: Out) -> int:
     return 0
 
 
-def _require_same_series(tree: _tree.Tree, patches, *, reverse: bool) -> None:
+def _require_same_series(tree: _tree.Tree, raw: bytes | None, patches, *, reverse: bool) -> None:
     """A tree stamped by another series can be neither reversed nor patched again by this one.
 
     Reversing would find none of this series' hunks ("already reverted") and leave the old
     edits behind; applying would stack this series on the old one.
     """
-    raw = tree.read(wh.STAMP_PATH)
     if raw is None:
         return
     stamped = json.loads(raw).get("series_sha256")
@@ -301,7 +290,7 @@ def run_list(patches, out: Out) -> int:
 
 def run_make_patch(args, out: Out) -> int:
     header = Path(args.header).read_bytes()
-    files = [(f, _read_tree(Path(args.orig), f), _read_tree(Path(args.new), f)) for f in args.files]
+    files = [(f, read_file(Path(args.orig), f), read_file(Path(args.new), f)) for f in args.files]
     same = [f for f, a, b in files if a == b]
     if same:
         raise _series.ConfigError(f"--make-patch: no change in {same}; expected edited files. Drop them.")
@@ -315,13 +304,6 @@ def _show(path: Path) -> str:
         return str(path.resolve().relative_to(Path.cwd()))
     except ValueError:
         return str(path)
-
-
-def _read_tree(root: Path, path: str) -> bytes | None:
-    try:
-        return (root / path).read_bytes()
-    except FileNotFoundError:
-        return None
 
 
 def _write_report(args, data: dict) -> None:

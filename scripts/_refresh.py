@@ -22,9 +22,8 @@ from typing import Callable
 import _diff
 import _placement
 import _series
-import _wheel as wh
 from _report import Out
-from _upstream import flavors_of, resolve_ref, upstream_wheel
+from _upstream import pristine_sources, read_file
 
 Read = Callable[[str], "bytes | None"]
 
@@ -190,7 +189,8 @@ def run_refresh(args, pin: dict[str, str], patches: list[_series.Patch], out: Ou
         extra = _marked_files(root)
     else:
         root, extra = None, []
-    pristine, source_name = _pristine_reader(args, pin, patches, extra, out)
+    # The patched files are equal in both flavors: the first source is the pristine one.
+    source_name, pristine = pristine_sources(args, pin, patches, out, widen=False, extra=extra)[0]
     if root is None:
         series = _placement.apply_series(patches, pristine)
         bad = [o.name for o in series.outcomes if o.status != "applied"]
@@ -200,7 +200,7 @@ def run_refresh(args, pin: dict[str, str], patches: list[_series.Patch], out: Ou
         edited, target = series.after.get, f"the series applied to {source_name}"
     else:
         def edited(path: str) -> bytes | None:
-            return (root / path).read_bytes() if (root / path).is_file() else None
+            return read_file(root, path)
         target = str(root)
     chosen = [p for p in patches if not args.patch or p.name in (args.patch, f"{args.patch}.patch")]
     if args.patch and not chosen:
@@ -220,20 +220,6 @@ def run_refresh(args, pin: dict[str, str], patches: list[_series.Patch], out: Ou
         return 3 if stale else 0
     out.info(f"OK: {len(stale)} of {len(chosen)} patches rewritten from {target}")
     return 0
-
-
-def _pristine_reader(args, pin: dict[str, str], patches: list[_series.Patch], extra: list[str],
-                     out: Out) -> tuple[Read, str]:
-    """The unpatched files (series files plus `extra`): a --src/--vllm tree or the pinned wheel."""
-    kind, path = resolve_ref(args, pin)
-    if kind == "tree":
-        return (lambda name: (path / name).read_bytes() if (path / name).is_file() else None), f"tree {path}"
-    if kind == "wheel":
-        args.wheel = str(path)
-    flavor = flavors_of(args, patches, widen=False)[0]  # patched files are equal in both flavors
-    wheel = upstream_wheel(args, pin, flavor, out)
-    members = wh.read_members(wheel, sorted(set(_series.required_files(patches)) | set(extra)))
-    return members.get, f"{pin[flavor + '.dist']} {pin['version']}"
 
 
 def _marked_files(root: Path) -> list[str]:

@@ -8,6 +8,7 @@ before any patch touches them (PATCH_TOOLING.md §4).  A flavor is the `vllm` (c
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import _series
@@ -67,3 +68,28 @@ def flavors_of(args, patches: list[_series.Patch], *, widen: bool) -> list[str]:
     if widen and set(_series.required_files(patches)) & VARIANT_FILES:
         return ["cuda", "cpu"]  # the two wheels differ in these files: check both
     return [args.flavor]
+
+
+def read_file(root: Path, path: str) -> bytes | None:
+    """`root/path` as bytes; None when absent (a tree's file, as the series reads it)."""
+    try:
+        return (Path(root) / path).read_bytes()
+    except FileNotFoundError:
+        return None
+
+
+def pristine_sources(args, pin: dict[str, str], patches: list[_series.Patch], out: Out, *, widen: bool,
+                     extra: list[str] | tuple[str, ...] = ()) -> list[tuple[str, Callable[[str], bytes | None]]]:
+    """(name, read) per unpatched source the series is checked against: a --src/--vllm tree, or the
+    pinned wheel of each flavor (its series files and `extra` members)."""
+    kind, path = resolve_ref(args, pin)
+    if kind == "tree":
+        return [(f"tree {path}", lambda name, root=path: read_file(root, name))]
+    if kind == "wheel":
+        args.wheel = str(path)
+    sources = []
+    names = sorted(set(_series.required_files(patches)) | set(extra))
+    for flavor in flavors_of(args, patches, widen=widen):
+        members = wh.read_members(upstream_wheel(args, pin, flavor, out), names)
+        sources.append((f"{pin[flavor + '.dist']} {pin['version']}", members.get))
+    return sources
