@@ -224,7 +224,6 @@ def build_parser() -> argparse.ArgumentParser:
     add("--rtt-steps", type=int, default=100)
     add("--gpu-tests", default=" ".join(GPU_TESTS),
         help="pytest paths of the gputests phase")
-    add("--gpu-tests-marker", default="gpu or not gpu", help="pytest -m expression of the gputests phase")
     add("--gloo-bench-args", default="", help="extra args for scripts/bench_gloo_roundtrip.py --device cuda")
     add("--hook-check-args", default="--model-dir {model_dir} --out-dir {hook_out} --timeout-s {timeout_s}",
         help="args for scripts/gpu_hook_check.py; {model_dir} {hook_out} {json_out} {work} {timeout_s} are "
