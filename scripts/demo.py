@@ -17,9 +17,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from vllm_afd.testing.afd import AFDDeployment
-from vllm_afd.testing.server import VllmServer, complete_batch, cpu_server_env
-from vllm_afd.testing.tiny_models import build_tiny_model, serve_env
+from afd_harness.afd import AFDDeployment
+from afd_harness.server import VllmServer, complete_batch, cpu_server_env
+from afd_harness.tiny_models import build_tiny_model, serve_env
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPTS = ["Hello, my name is", "The capital of France is", "Mixture of experts means",

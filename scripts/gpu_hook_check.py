@@ -23,7 +23,7 @@ Needs vLLM 0.30.0 patched in place. On the H200 with vLLM staged by shared/devic
 2026-11-29: ok, counts in docs/hooks.md):
   export PYTHONPATH=~/vllm-site VLLM_USE_FLASHINFER_SAMPLER=0
   python3 scripts/apply_patches.py --apply-to ~/vllm-site  # needs unidiff; or patch -p1 each
-  PYTHONPATH=$PYTHONPATH:overlay python3 -m vllm_afd.testing.tiny_models --arch qwen3_moe --out /tmp/m
+  PYTHONPATH=$PYTHONPATH:tests/harness python3 -m afd_harness.tiny_models --arch qwen3_moe --out /tmp/m
   python3 scripts/gpu_hook_check.py --model-dir /tmp/m --out-dir $OUT [--timeout-s 480]
 """
 

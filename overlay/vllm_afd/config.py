@@ -33,6 +33,8 @@ __all__ = [
     "check_p2p_extra_config",
     "get_additional_config",
     "has_afd_config",
+    "ParsedAdditionalConfig",
+    "afd_config_of",
     "is_afd_active",
     "parse_afd_config",
     "require_afd_config",
@@ -417,6 +419,34 @@ def parse_afd_config(src: Any, expected_role: str | None = None) -> AFDConfig | 
 def is_afd_active(src: Any) -> bool:
     """True when ``afd`` is present and valid; raises when present and invalid (never deactivates)."""
     return parse_afd_config(src) is not None
+
+
+class ParsedAdditionalConfig(dict):
+    """``additional_config`` of a role runner's own ``VllmConfig`` copy: the user's mapping plus the parse.
+
+    Configuration enters a worker process once: the role worker parses ``additional_config["afd"]``
+    and passes the result down. vLLM builds the model from a ``VllmConfig`` alone
+    (``get_model(vllm_config=...)``), so the parse reaches the model halves inside the runner's config
+    copy (workers/common.py) and ``afd_config_of`` hands it out without parsing again. A ``dict``
+    with the same items: vLLM hashes a dict-valued ``additional_config`` as the JSON of its items.
+    """
+
+    __slots__ = ("afd_config",)
+
+    def __init__(self, items: Mapping[Any, Any], afd_config: AFDConfig) -> None:
+        super().__init__(items)
+        self.afd_config = afd_config
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (dict(self), self.afd_config))
+
+
+def afd_config_of(src: Any, caller: str) -> AFDConfig:
+    """The worker's parse carried by a role runner's config, else a parse of ``src`` (required)."""
+    additional = get_additional_config(src)
+    if isinstance(additional, ParsedAdditionalConfig):
+        return additional.afd_config
+    return require_afd_config(src, caller)
 
 
 def require_afd_config(src: Any, caller: str, expected_role: str | None = None) -> AFDConfig:

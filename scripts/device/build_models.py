@@ -2,7 +2,7 @@
 """Build (or reuse) the tiny AFD test checkpoints on the machine that will serve them.
 
 `gpu_e2e.py` runs this in a subprocess so that the orchestrator never imports torch or
-transformers.  Each arch is built by `vllm_afd.testing.tiny_models.build_tiny_model` into
+transformers.  Each arch is built by `afd_harness.tiny_models.build_tiny_model` into
 `<out>/<arch>`; with `--prebuilt DIR`, a complete earlier build in `DIR/<arch>` (for
 instance one carried from the CPU machine) is used instead when its recorded file hashes
 still match, whatever torch/transformers versions built it.  Prints one JSON object:
@@ -21,9 +21,9 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "overlay"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "harness"))
 
-from vllm_afd.testing import tiny_models  # noqa: E402
+from afd_harness import tiny_models  # noqa: E402
 
 
 def prebuilt_is_intact(model_dir: Path, arch: str) -> bool:

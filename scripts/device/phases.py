@@ -1,9 +1,9 @@
 """The phases of the GPU evidence run; `gpu_e2e.py` sequences them and records their results.
 
-Each phase takes the `Run` (paths, deadline, environment, summary) and returns a dict merged
-into `summary["phases"][name]`; an exception marks only that phase failed.  Subprocess work
-goes through `Run.run_cmd`, whose output lands in the log archive; servers go through
-`serving.py`, one round per model with every variant up at once.
+Each phase takes the `Run` (run_state.py: paths, deadline, environment, summary) and returns
+a dict merged into `summary["phases"][name]`; an exception marks only that phase failed.
+Subprocess work goes through `Run.run_cmd`, whose output lands in the log archive; servers go
+through `serving.py`, one round per model with every variant up at once.
 """
 
 from __future__ import annotations
@@ -19,17 +19,12 @@ import traceback
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import e2e_report as report
 import install_overlay
 import serving
-
-if TYPE_CHECKING:
-    from gpu_e2e import Run
-
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parents[1]
+from run_state import HARNESS, HERE, REPO, Run
 IMPORT_CHECK = """
 import importlib.metadata as m, json, torch, vllm
 from vllm_afd.pin import check_installed_vllm
@@ -160,7 +155,7 @@ def phase_models(run: Run) -> dict[str, Any]:
         argv += ["--arch", arch]
     if run.args.prebuilt_models:
         argv += ["--prebuilt", str(Path(run.args.prebuilt_models).expanduser().resolve())]
-    done = run.run_cmd(argv, env=run.env(overlay=False, vllm=False, extra=[str(REPO / "overlay")]), timeout_s=300,
+    done = run.run_cmd(argv, env=run.env(overlay=False, vllm=False, extra=[str(HARNESS)]), timeout_s=300,
                        log_name="build-models")
     built = last_json(done["stdout"]) or {}
     run.models = {arch: info for arch, info in built.items() if "error" not in info}
@@ -276,7 +271,7 @@ def _guarded(call: Callable[[], Any]) -> Any:
 
 
 def _free_port() -> int:
-    from vllm_afd.testing.server import free_port
+    from afd_harness.server import free_port
 
     return free_port()
 

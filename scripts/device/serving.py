@@ -131,7 +131,7 @@ def start_servers(specs: Sequence[ServerSpec], model_dir: Path, *, base_env: Map
     `on_spawn(pid)` is called (from this thread) for each process as soon as it exists: servers
     run in their own sessions, so the caller must be able to find them if this process is killed.
     """
-    from vllm_afd.testing.server import VllmServer
+    from afd_harness.server import VllmServer
 
     servers = {spec.name: VllmServer(model_dir, extra_args=spec.args, env={**base_env, **spec.env},
                                      python=sys.executable, log_path=logs_dir / f"{prefix}-{spec.name}.log",
@@ -212,7 +212,7 @@ def scan_log(text: str) -> dict[str, Any]:
 
 def run_token_cases(base_url: str, max_tokens: int, timeout_s: float) -> dict[str, list[list[int] | None]]:
     """Greedy token ids for the fixed cases: single, batched, streamed, token-id prompts, chat."""
-    from vllm_afd.testing.server import chat, complete_batch
+    from afd_harness.server import chat, complete_batch
 
     cases: dict[str, list[list[int] | None]] = {}
     prompts = list(TEXT_PROMPTS)
@@ -253,7 +253,7 @@ class BenchPlan:
 def run_decode_bench(urls: Mapping[str, str], plan: BenchPlan,
                      time_left: Callable[[], float], reserve_s: float = 30.0) -> dict[str, Any]:
     """Interleaved decode timing: rep -> batch -> variant (rotated per rep), max_tokens vs 1-token requests."""
-    from vllm_afd.testing.server import complete_batch
+    from afd_harness.server import complete_batch
 
     variants = list(urls)
     samples: dict[str, dict[int, list[Any]]] = {v: {b: [] for b in plan.batches} for v in variants}

@@ -1,30 +1,37 @@
-"""Multi-process harness for connector tests: settings, fingerprints, spawn-and-collect.
+"""Connector test kit: spec, placement and fingerprint builders, an in-memory transport, a worker pool.
 
-Children are started with multiprocessing's ``spawn`` (torch and threads do not survive ``fork``),
-run a top-level function of this module or a test module, and report a picklable result (or the
-formatted exception) through a queue. Every wait has a timeout; leftovers are killed by pid.
+``make_spec``/``make_placement``/``make_connector`` build real ``AFDConnector``s at small sizes
+(gloo unless a transport is given). ``QueueTransport`` is the in-memory ``Transport`` of the
+in-process tests: it records every tensor on the wire. ``WorkerPool`` runs rank bodies in
+``spawn``ed processes (torch and threads do not survive ``fork``): a top-level function of this
+module or a test module, reporting a picklable result (or the formatted exception) through a queue.
+Every wait has a timeout; leftovers are killed by pid.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import multiprocessing
 import queue
 import socket
 import time
 import traceback
+from collections import defaultdict, deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
-from vllm_afd.connectors.gloo import GlooTransport
-from vllm_afd.connectors.channels import P2pSettings
-from vllm_afd.connectors.protocol import P2pProtocol
-from vllm_afd.handshake import PROTOCOL_VERSION, Fingerprint
+from vllm_afd.wire.connector import AFDConnector, ConnectorSpec
+from vllm_afd.wire.handshake import Fingerprint
+from vllm_afd.wire.placement import CONTROL, Placement
+from vllm_afd.wire.transport import Transport
+from vllm_afd.wire.transports.gloo import GlooTransport
 
 HIDDEN_SIZE = 64
 NUM_EXPERTS = 8
+CONNECTOR = "P2pGlooAFDConnector"
 
 
 def free_port() -> int:
@@ -33,42 +40,93 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def make_fingerprint(role: str, role_rank: int, num_attention: int, num_ffn: int, **overrides: Any) -> Fingerprint:
-    """A fingerprint with plain facts (a 4-layer "DMMM" model), as a real rank would publish."""
-    dp_size = num_attention if role == "attention" else num_ffn
+def make_spec(port: int, **overrides: Any) -> ConnectorSpec:
+    """A gloo connector spec on CPU: [rows, 64] bf16 rows, 4 exchanges per stage, short liveness bounds."""
     values: dict[str, Any] = dict(
-        protocol_version=PROTOCOL_VERSION, overlay_version="0.1.0", vllm_version="0.30.0",
-        architecture="Qwen3MoeForCausalLM", hidden_size=HIDDEN_SIZE, num_hidden_layers=4, dtype="bfloat16",
-        layer_kinds="DMMM", num_routed_experts=NUM_EXPERTS, connector="P2pGlooAFDConnector",
-        num_attention_ranks=num_attention, num_ffn_ranks=num_ffn, compute_gate_on_attention=False,
-        graph_mode="eager", dp_size=dp_size, tp_size=1, role=role, role_rank=role_rank,
-        hostname="localhost", pid=0, device="cpu",
+        name=CONNECTOR, hidden_size=HIDDEN_SIZE, dtype=torch.bfloat16, device=torch.device("cpu"),
+        host="127.0.0.1", port=port, rendezvous_timeout_s=20.0, step_timeout_s=30.0, peer_timeout_s=2.0,
+        exchanges_per_stage=4,
     )
     values.update(overrides)
-    return Fingerprint(**values)
+    return ConnectorSpec(**values)
 
 
-def make_settings(role: str, role_rank: int, num_attention: int, num_ffn: int, port: int, **overrides: Any) -> P2pSettings:
-    values: dict[str, Any] = dict(
-        role=role, role_rank=role_rank, num_attention_ranks=num_attention, num_ffn_ranks=num_ffn,
-        hidden_size=HIDDEN_SIZE, dtype=torch.bfloat16, device=torch.device("cpu"), host="127.0.0.1",
-        port=port, rendezvous_timeout_s=20.0, step_timeout_s=30.0, peer_timeout_s=2.0,
-        dp_size=num_attention if role == "attention" else num_ffn, exchanges_per_stage=4,
-        num_routed_experts=NUM_EXPERTS, connector_name="P2pGlooAFDConnector",
+def make_placement(role: str, rank: int, num_attention: int, num_ffn: int, *, attention_tp: int = 1) -> Placement:
+    """The placement of one rank; the attention runs ``attention_tp``-way TP, the FFN DP only."""
+    tp_size = attention_tp if role == "attention" else 1
+    num_role_ranks = num_attention if role == "attention" else num_ffn
+    return Placement(role, rank, num_attention, num_ffn, dp_size=num_role_ranks // tp_size, tp_size=tp_size)
+
+
+def make_fingerprint(placement: Placement, **overrides: Any) -> Fingerprint:
+    """The fingerprint of a 4-layer "DMMM" model at ``placement``; any field may be overridden."""
+    fingerprint = Fingerprint.for_rank(
+        placement, connector=CONNECTOR, compute_gate_on_attention=False, hostname="localhost", pid=0,
+        overlay_version="0.1.0", vllm_version="0.30.0", architecture="Qwen3MoeForCausalLM",
+        hidden_size=HIDDEN_SIZE, num_hidden_layers=4, dtype="bfloat16", layer_kinds="DMMM",
+        num_routed_experts=NUM_EXPERTS, graph_mode="eager", device="cpu",
     )
-    values.update(overrides)
-    return P2pSettings(**values)
+    return dataclasses.replace(fingerprint, **overrides)
 
 
-def make_protocol(settings: P2pSettings, terminate: Callable[[BaseException], None] | None = None,
-                  transport_cls: type = GlooTransport, **fingerprint_overrides: Any) -> P2pProtocol:
-    """A protocol (gloo unless told) whose fingerprint agrees with ``settings`` unless overridden."""
-    facts = dict(dtype=str(settings.dtype).removeprefix("torch."),
-                 compute_gate_on_attention=settings.compute_gate_on_attention,
-                 connector=settings.connector_name, **fingerprint_overrides)
-    fingerprint = make_fingerprint(settings.role, settings.role_rank, settings.num_attention_ranks,
-                                   settings.num_ffn_ranks, **facts)
-    return P2pProtocol(settings, transport_cls(settings.device), lambda: fingerprint, terminate=terminate)
+def make_connector(spec: ConnectorSpec, placement: Placement, *, transport: Transport | None = None,
+                   terminate: Callable[[BaseException], None] | None = None,
+                   **fingerprint_overrides: Any) -> AFDConnector:
+    """A connector (gloo unless told) whose fingerprint agrees with ``spec`` unless overridden."""
+    facts = dict(dtype=str(spec.dtype).removeprefix("torch."), hidden_size=spec.hidden_size,
+                 compute_gate_on_attention=spec.router_logits_width is not None, connector=spec.name)
+    facts.update(fingerprint_overrides)
+    fingerprint = make_fingerprint(placement, **facts)
+    return AFDConnector(spec, placement, transport or GlooTransport(spec.device), fingerprint, terminate=terminate)
+
+
+def new_wire() -> defaultdict[tuple[str, int, int], deque]:
+    """The shared medium of a set of ``QueueTransport``s."""
+    return defaultdict(deque)
+
+
+class QueueTransport(Transport):
+    """In-memory channels: ``wire[(channel, src AFD rank, dst AFD rank)]`` is a FIFO of sent tensors.
+
+    Every send is a clone, so the sender may reuse its tensor; a receive without a matching send, or
+    of another size or dtype, fails the test at once instead of hanging.
+    """
+
+    control_device = torch.device("cpu")
+
+    def __init__(self, wire: defaultdict[tuple[str, int, int], deque]) -> None:
+        self.wire = wire
+        self.placement: Placement | None = None
+        self.closed = 0
+        self.aborted = 0
+
+    def open(self, store: Any, placement: Placement, timeout_s: float) -> None:
+        self.placement = placement
+
+    def _afd(self, channel: str, group_rank: int) -> int:
+        # Control group ranks are AFD ranks; data group ranks index the subgroup.
+        return group_rank if channel == CONTROL else self.placement.subgroup_members[group_rank]
+
+    def send(self, channel: str, tensor: torch.Tensor, dst: int) -> None:
+        self.wire[(channel, self.placement.afd_rank, self._afd(channel, dst))].append(tensor.detach().clone())
+
+    def recv(self, channel: str, tensor: torch.Tensor, src: int) -> None:
+        pending = self.wire[(channel, self._afd(channel, src), self.placement.afd_rank)]
+        assert pending, f"{channel} receive from group rank {src} without a matching send"
+        sent = pending.popleft()
+        assert sent.dtype == tensor.dtype and sent.numel() == tensor.numel(), "sizes disagree on the wire"
+        tensor.copy_(sent.view(tensor.shape))
+
+    def abort(self) -> None:
+        self.aborted += 1
+
+    def close(self) -> None:
+        self.closed += 1
+
+
+def pending(wire: dict) -> dict[tuple[str, int, int], int]:
+    """How many sent tensors wait on each (channel, src, dst) of ``wire``."""
+    return {key: len(sent) for key, sent in wire.items() if sent}
 
 
 def _worker_main(tasks: Any, results: Any) -> None:

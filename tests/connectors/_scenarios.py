@@ -12,9 +12,11 @@ import time
 from typing import Any
 
 import torch
-from _harness import HIDDEN_SIZE, NUM_EXPERTS, make_protocol, make_settings
+from _harness import NUM_EXPERTS, HIDDEN_SIZE, make_connector, make_placement, make_spec
 
-from vllm_afd.connectors.metadata import AFDExpertRoutingSpec, AFDTransferContext, AFDTransferMetadata
+from vllm_afd.wire.connector import AFDConnector
+from vllm_afd.wire.messages import RoutingSpec
+from vllm_afd.wire.placement import CONTROL
 
 LAYER_KINDS = "DMMM"
 
@@ -23,9 +25,9 @@ def crossing_layers(gate_on_attention: bool) -> list[int]:
     return [i for i, kind in enumerate(LAYER_KINDS) if kind == "M" or not gate_on_attention]
 
 
-def step_counts(step: int, stage: int, num_attention: int) -> list[int]:
-    """Published DP counts of one stage; zeros (idle ranks) included on purpose."""
-    return [(step * 5 + rank * 3 + stage) % 4 for rank in range(num_attention)]
+def step_counts(step: int, stage: int, num_dp: int) -> list[int]:
+    """Published tokens per attention DP rank of one stage; zeros (idle ranks) included on purpose."""
+    return [(step * 5 + rank * 3 + stage) % 4 for rank in range(num_dp)]
 
 
 def make_hidden(rank: int, step: int, layer: int, stage: int, num_rows: int, dtype: torch.dtype,
@@ -51,110 +53,102 @@ def exchange(role: str, rank: int, num_attention: int, num_ffn: int, port: int, 
              num_steps: int, gate: bool = False, num_stages: int = 1, probe_errors: bool = False,
              attention_tp: int = 1, device_name: str = "cpu") -> dict[str, Any]:
     """One rank of a full run: ``num_steps`` payloads, each followed by every crossing layer's exchanges."""
-    dtype = getattr(torch, dtype_name)
-    device = torch.device(device_name)
+    dtype, device = getattr(torch, dtype_name), torch.device(device_name)
     layers = crossing_layers(gate)
+    placement = make_placement(role, rank, num_attention, num_ffn, attention_tp=attention_tp)
+    spec = make_spec(port, dtype=dtype, device=device, exchanges_per_stage=len(layers),
+                     router_logits_width=NUM_EXPERTS if gate else None)
+    connector = make_connector(spec, placement)
     num_dp = num_attention // attention_tp
-    layout = {"dp_size": num_dp, "tp_size": attention_tp} if role == "attention" else {}
-    settings = make_settings(role, rank, num_attention, num_ffn, port, dtype=dtype, compute_gate_on_attention=gate,
-                             exchanges_per_stage=len(layers), dp_size=num_dp if role == "attention" else num_ffn,
-                             device=device)
-    protocol = make_protocol(settings, **layout)
     started = time.monotonic()
-    protocol.init()
-    protocol.init()  # idempotent
+    connector.init()
+    connector.init()  # idempotent
     errors: list[str] = []
     payloads: list[dict[str, Any]] = []
     for step in range(num_steps):
-        stages = {stage: step_counts(step, stage, num_dp) for stage in range(num_stages)}
+        counts_dp = {stage: step_counts(step, stage, num_dp) for stage in range(num_stages)}
         if role == "attention":
-            protocol.send_dp_metadata(stages, is_profile=step == 0, is_warmup=step == 1)
+            payload = connector.publish(counts_dp, is_profile=step == 0, is_warmup=step == 1)
         else:
-            payload = protocol.recv_dp_metadata_list()
-            protocol.update_state_from_dp_metadata(payload)
-            payloads.append({"step_seq": payload.step_seq, "is_profile": payload.is_profile,
-                             "is_warmup": payload.is_warmup,
-                             "stages": {k: list(v.num_tokens_across_dp_cpu) for k, v in payload.dp_metadata_list.items()}})
+            payload = connector.next_step()
+        payloads.append({"step_seq": payload.step_seq, "is_profile": payload.is_profile,
+                         "is_warmup": payload.is_warmup,
+                         "stages": {stage: list(counts) for stage, counts in payload.counts.items()}})
         for layer in layers:
             for stage in range(num_stages):
                 if role == "attention":
-                    _attention_exchange(protocol, rank, step, layer, stage, stages[stage][rank // attention_tp], dtype, gate,
-                                        probe_errors and step == 0 and not errors, errors, device)
+                    count = counts_dp[stage][rank // attention_tp]
+                    probe = probe_errors and step == 0 and not errors
+                    _attention_exchange(connector, rank, step, layer, stage, count, dtype, gate, probe, errors, device)
                 else:
-                    _ffn_exchange(protocol, layer, stage, gate)
-    protocol.close()
-    protocol.close()
+                    _ffn_exchange(connector, layer, stage, gate)
+    connector.close()
+    connector.close()
     return {"elapsed_s": time.monotonic() - started, "payloads": payloads, "errors": errors,
-            "initialized_after_close": protocol.is_initialized}
+            "initialized_after_close": connector.is_initialized}
 
 
-def _attention_exchange(protocol: Any, rank: int, step: int, layer: int, stage: int, count: int,
+def _attention_exchange(connector: AFDConnector, rank: int, step: int, layer: int, stage: int, count: int,
                         dtype: torch.dtype, gate: bool, probe: bool, errors: list[str], device: torch.device) -> None:
     num_rows = max(1, count)
     hidden = make_hidden(rank, step, layer, stage, num_rows, dtype, device)
     logits = make_logits(rank, step, layer, num_rows, device) if gate else None
-    context = AFDTransferContext(AFDTransferMetadata.create_attention_metadata(layer, stage, num_rows))
     if probe:  # wrong rows must raise before anything reaches the wire
-        wrong = make_hidden(rank, step, layer, stage, num_rows + 1, dtype, device)
-        attempts = [(wrong, AFDTransferContext(AFDTransferMetadata.create_attention_metadata(layer, stage, num_rows + 1)),
-                     None)]
+        attempts = [(make_hidden(rank, step, layer, stage, num_rows + 1, dtype, device), None)]
         if gate:
-            attempts.append((hidden, context, make_logits(rank, step, layer, num_rows + 1, device)))
-        for bad_hidden, bad_context, bad_logits in attempts:
+            attempts.append((hidden, make_logits(rank, step, layer, num_rows + 1, device)))
+        for bad_hidden, bad_logits in attempts:
             try:
-                protocol.send_attn_output(bad_hidden, bad_context, bad_logits)
+                connector.send_a2f(stage, bad_hidden, bad_logits)
             except ValueError as exc:
                 errors.append(str(exc))
-    protocol.send_attn_output(hidden, context, logits)
+    connector.send_a2f(stage, hidden, logits)
     expected = ffn_compute(hidden, logits, layer)
-    out = protocol.recv_ffn_output(hidden, stage)
-    assert out.data_ptr() == hidden.data_ptr(), "the result must land in ref_tensor"
+    out = connector.recv_f2a(stage, hidden)
+    assert out.data_ptr() == hidden.data_ptr(), "the result must land in the tensor just sent"
     assert out.device == device, f"result on {out.device}, expected {device}"
     assert torch.equal(out, expected), f"rank {rank} step {step} layer {layer}: wrong FFN result"
 
 
-def _ffn_exchange(protocol: Any, layer: int, stage: int, gate: bool) -> None:
-    spec = AFDExpertRoutingSpec(NUM_EXPERTS, torch.float32) if gate else None
-    received = protocol.recv_attn_output(stage, spec)
-    assert (received.router_logits is not None) == gate
-    received.context.metadata.layer_idx = layer
-    protocol.send_ffn_output(ffn_compute(received.hidden_states, received.router_logits, layer), received.context)
+def _ffn_exchange(connector: AFDConnector, layer: int, stage: int, gate: bool) -> None:
+    routing = RoutingSpec(NUM_EXPERTS, torch.float32) if gate else None
+    batch = connector.recv_a2f(stage, routing)
+    assert (batch.router_logits is not None) == gate
+    assert batch.hidden_states.shape[0] == sum(batch.peer_rows)
+    connector.send_f2a(stage, ffn_compute(batch.hidden_states, batch.router_logits, layer))
 
 
 def exchange_then_die(role: str, rank: int, port: int, peer_timeout_s: float) -> dict[str, Any]:
     """1A1F: the FFN serves one step, then exits mid-step (after receiving); the attention times its error."""
-    settings = make_settings(role, rank, 1, 1, port, peer_timeout_s=peer_timeout_s, exchanges_per_stage=4)
-    protocol = make_protocol(settings)
-    protocol.init()
+    connector = make_connector(make_spec(port, peer_timeout_s=peer_timeout_s), make_placement(role, rank, 1, 1))
+    connector.init()
     if role == "ffn":
         for step in range(2):
-            payload = protocol.recv_dp_metadata_list()
-            protocol.update_state_from_dp_metadata(payload)
+            connector.next_step()
             for layer in range(4):
-                received = protocol.recv_attn_output(0)
+                batch = connector.recv_a2f(0)
                 if step == 1 and layer == 1:
                     os._exit(3)  # dies holding the attention's layer-1 request
-                protocol.send_ffn_output(ffn_compute(received.hidden_states, None, layer), received.context)
+                connector.send_f2a(0, ffn_compute(batch.hidden_states, None, layer))
         return {}
     failed_at = None
     try:
         for step in range(2):
-            protocol.send_dp_metadata({0: [3]})
+            connector.publish({0: [3]})
             for layer in range(4):
                 hidden = make_hidden(rank, step, layer, 0, 3, torch.bfloat16)
-                context = AFDTransferContext(AFDTransferMetadata.create_attention_metadata(layer, 0, 3))
-                protocol.send_attn_output(hidden, context)
+                connector.send_a2f(0, hidden)
                 failed_at = time.monotonic()
-                protocol.recv_ffn_output(hidden)
+                connector.recv_f2a(0, hidden)
     except Exception as exc:  # noqa: BLE001 - reported to the test
         first = f"{type(exc).__name__}: {exc}"
         elapsed = time.monotonic() - failed_at if failed_at else None
         try:
-            protocol.check_failed()
+            connector.check_failed()
             sticky = None
         except Exception as again:  # noqa: BLE001
             sticky = type(again).__name__
-        protocol.close()
+        connector.close()
         return {"error": first, "elapsed_s": elapsed, "sticky": sticky}
     return {"error": None}
 
@@ -173,28 +167,30 @@ def hung_ffn(role: str, rank: int, port: int, report_path: str) -> dict[str, Any
     # NOTE: the FFN's long timeouts keep its own watchdog from aborting (which would close the pairs and
     # unblock the attention's receive); the receive must stay blocked for the termination fallback.
     timeout_s = 1.0 if role == "attention" else 30.0
-    settings = make_settings(role, rank, 1, 1, port, step_timeout_s=timeout_s, peer_timeout_s=timeout_s)
-    protocol = make_protocol(settings, terminate=_report_and_exit(report_path, 17) if role == "attention" else None)
-    protocol.init()
+    spec = make_spec(port, step_timeout_s=timeout_s, peer_timeout_s=timeout_s)
+    terminate = _report_and_exit(report_path, 17) if role == "attention" else None
+    connector = make_connector(spec, make_placement(role, rank, 1, 1), terminate=terminate)
+    connector.init()
     if role == "ffn":
-        protocol.update_state_from_dp_metadata(protocol.recv_dp_metadata_list())
-        protocol.recv_attn_output(0)
+        connector.next_step()
+        connector.recv_a2f(0)
         time.sleep(4.5)  # stuck, but alive and heartbeating (the attention goes down at ~3 s)
-        protocol.close()
+        connector.close()
         return {}
-    protocol.mark_startup_done()
-    protocol.send_dp_metadata({0: [2]})
+    connector.mark_startup_done()
+    connector.publish({0: [2]})
     hidden = make_hidden(rank, 0, 0, 0, 2, torch.bfloat16)
-    protocol.send_attn_output(hidden, AFDTransferContext(AFDTransferMetadata.create_attention_metadata(0, 0, 2)))
-    protocol.recv_ffn_output(hidden)  # blocks: gloo cannot be interrupted, so termination must follow
+    connector.send_a2f(0, hidden)
+    connector.recv_f2a(0, hidden)  # blocks: gloo cannot be interrupted, so termination must follow
     return {"unexpected": "the receive returned"}
 
 
 def idle_attention(role: str, rank: int, port: int, report_path: str) -> dict[str, Any]:
     """1A1F: FFN rank 0 (the store host) dies while the attention idles; the attention must go down."""
-    settings = make_settings(role, rank, 1, 1, port, peer_timeout_s=1.0)
-    protocol = make_protocol(settings, terminate=_report_and_exit(report_path, 18) if role == "attention" else None)
-    protocol.init()
+    terminate = _report_and_exit(report_path, 18) if role == "attention" else None
+    connector = make_connector(make_spec(port, peer_timeout_s=1.0), make_placement(role, rank, 1, 1),
+                               terminate=terminate)
+    connector.init()
     if role == "ffn":
         time.sleep(0.5)
         os._exit(3)
@@ -204,36 +200,34 @@ def idle_attention(role: str, rank: int, port: int, report_path: str) -> dict[st
 
 def garbage_payload(role: str, rank: int, port: int) -> dict[str, Any]:
     """The attention frames bytes that are not a payload; the FFN must refuse them."""
-    from vllm_afd.connectors.channels import CONTROL
-
-    protocol = make_protocol(make_settings(role, rank, 1, 1, port))
-    protocol.init()
+    connector = make_connector(make_spec(port), make_placement(role, rank, 1, 1))
+    connector.init()
     try:
         if role == "attention":
             body = torch.frombuffer(bytearray(b"\x80not json"), dtype=torch.uint8)
-            protocol.transport.send(CONTROL, torch.tensor([body.numel()], dtype=torch.int64), 0)
-            protocol.transport.send(CONTROL, body, 0)
+            connector.transport.send(CONTROL, torch.tensor([body.numel()], dtype=torch.int64), 0)
+            connector.transport.send(CONTROL, body, 0)
             return {}
         try:
-            protocol.recv_dp_metadata_list()
+            connector.next_step()
         except Exception as exc:  # noqa: BLE001 - reported to the test
             return {"error": f"{type(exc).__name__}: {exc}"}
         return {"error": None}
     finally:
-        protocol.close()
+        connector.close()
 
 
 def nccl_on_one_gpu(role: str, rank: int, port: int) -> str:
     """1A1F with both ranks on cuda:0 over NCCL: both must refuse, naming the fix."""
-    from vllm_afd.connectors.nccl import NcclTransport
+    from vllm_afd.connect import TRANSPORTS
 
-    settings = make_settings(role, rank, 1, 1, port, device=torch.device("cuda", 0), rendezvous_timeout_s=30.0,
-                             connector_name="P2pNcclAFDConnector")
-    protocol = make_protocol(settings, transport_cls=NcclTransport)
+    device = torch.device("cuda", 0)
+    spec = make_spec(port, device=device, rendezvous_timeout_s=30.0, name="P2pNcclAFDConnector")
+    connector = make_connector(spec, make_placement(role, rank, 1, 1), transport=TRANSPORTS[spec.name](device))
     try:
-        protocol.init()
+        connector.init()
     except RuntimeError as exc:
         return str(exc)
     finally:
-        protocol.close()
+        connector.close()
     return "initialised"

@@ -1,4 +1,4 @@
-"""Connector paths that need a GPU (AFD_SPEC §4.7): gloo staging of CUDA tensors, NCCL's one-GPU refusal.
+"""Connector paths that need a GPU (docs/connection.md): gloo staging of CUDA tensors, NCCL's one-GPU refusal.
 
 Marked ``gpu``; skipped where CUDA is absent (CI). Both ranks share cuda:0, as when both roles run on
 one GPU: gloo must work there, NCCL must refuse with the fix.

@@ -1,4 +1,4 @@
-"""P2pGlooAFDConnector's protocol across real processes on loopback (AFD_SPEC §3.6-3.8, §4.3-4.5, §8).
+"""AFDConnector over GlooTransport across real processes on loopback (docs/protocol.md, docs/connection.md).
 
 Each test runs its ranks on a session pool of spawned workers (tests/connectors/conftest.py). Data is
 checked bit for bit by the attention ranks (tests/connectors/_scenarios.py), payloads by the FFN.
@@ -38,12 +38,14 @@ def test_2a1f_tp2_router_logits_and_two_stages_with_row_checks(pool):
 
     payloads = results[("ffn", 0)]["payloads"]
     assert [(p["is_profile"], p["is_warmup"]) for p in payloads] == [(True, False), (False, True), (False, False)]
-    assert payloads[2]["stages"] == {0: step_counts(2, 0, 1), 1: step_counts(2, 1, 1)}
+    # One DP rank of TP 2: both attention ranks carry the DP rank's count.
+    assert payloads[2]["stages"] == {0: step_counts(2, 0, 1) * 2, 1: step_counts(2, 1, 1) * 2}
+    assert payloads == results[("attention", 0)]["payloads"] == results[("attention", 1)]["payloads"]
     for rank in (0, 1):
         errors = results[("attention", rank)]["errors"]
-        assert errors[0].startswith("AFD send rows (")
-        assert "differ from the published count" in errors[0]
-        assert errors[1].startswith("router_logits and hidden_states must have equal token counts")
+        assert errors[0].startswith(f"P2pGlooAFDConnector: attention rank {rank} sends 2 rows in stage 0 but "
+                                    "published 1; publish the padded")
+        assert errors[1].startswith("P2pGlooAFDConnector: router logits have 2 rows, hidden states 1")
 
 
 def test_3a2f_pairs_data_and_control_ranks_with_idle_dp_ranks(pool):
@@ -74,7 +76,8 @@ def test_ffn_killed_mid_exchange_is_a_lost_peer_on_the_attention_at_once(pool):
     assert ffn == ("exit", 3)
     status, report = attention
     assert status == "ok", report
-    assert report["error"].startswith("AFDPeerLostError: AFD peer lost: e2a receive from ffn rank 0 failed")
+    assert report["error"].startswith("AFDPeerLostError: AFD peer lost: f2a receive from ffn rank 0 failed on "
+                                      "attention rank 0")
     assert report["elapsed_s"] < 2.0  # within peer_timeout_s: the dead peer closed its connections
     assert report["sticky"] == "AFDPeerLostError"
 

@@ -25,6 +25,9 @@ REPO = pathlib.Path(__file__).resolve().parents[2]
 if importlib.util.find_spec("vllm_afd") is None:
     # NOTE: CI installs the package with `pip install -e .`; this only serves a bare checkout.
     sys.path.insert(0, str(REPO / "overlay"))
+if importlib.util.find_spec("afd_harness") is None:
+    # NOTE: likewise the test harness (`pip install -e tests/harness`, ci/setup_env.sh).
+    sys.path.insert(0, str(REPO / "tests" / "harness"))
 
 VLLM_IMPORT_TIMEOUT_S = 300.0
 TIMING_LINES = pytest.StashKey[list[str]]()
@@ -56,7 +59,7 @@ def tiny_models_root() -> pathlib.Path:
 def tiny_model_dir(tiny_models_root: pathlib.Path) -> Callable[[str], pathlib.Path]:
     """Build-or-reuse a tiny checkpoint by arch name; returns its directory."""
     pytest.importorskip("transformers")
-    from vllm_afd.testing.tiny_models import build_tiny_model
+    from afd_harness.tiny_models import build_tiny_model
 
     built: dict[str, pathlib.Path] = {}
 
@@ -73,8 +76,8 @@ def vllm_server_factory(
     vllm_python: str, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Callable[..., object]]:
     """Start servers on tiny models; callers may stop them early, the session stops the rest."""
-    from vllm_afd.testing.server import VllmServer, cpu_server_env
-    from vllm_afd.testing.tiny_models import serve_env
+    from afd_harness.server import VllmServer, cpu_server_env
+    from afd_harness.tiny_models import serve_env
 
     log_dir = tmp_path_factory.mktemp("vllm_logs")
     servers: list[VllmServer] = []

@@ -14,8 +14,8 @@ import pytest
 import requests
 
 from vllm_afd.plugin import FFN_VETO_MESSAGE
-from vllm_afd.testing.afd import AFDDeployment
-from vllm_afd.testing.server import ServerStartError, chat, complete, complete_batch
+from afd_harness.afd import AFDDeployment
+from afd_harness.server import ServerStartError, chat, complete, complete_batch
 
 pytestmark = pytest.mark.e2e
 
@@ -44,8 +44,8 @@ def arch(request):
 
 @pytest.fixture(scope="module")
 def plain_outputs(arch, tiny_model_dir, vllm_python, tmp_path_factory):
-    from vllm_afd.testing.server import VllmServer, cpu_server_env
-    from vllm_afd.testing.tiny_models import serve_env
+    from afd_harness.server import VllmServer, cpu_server_env
+    from afd_harness.tiny_models import serve_env
 
     model = tiny_model_dir(arch)
     log = tmp_path_factory.mktemp(f"plain-{arch}") / "plain.log"
@@ -56,7 +56,7 @@ def plain_outputs(arch, tiny_model_dir, vllm_python, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def deployment(arch, tiny_model_dir, vllm_python, tmp_path_factory):
-    from vllm_afd.testing.tiny_models import serve_env
+    from afd_harness.tiny_models import serve_env
 
     afd = AFDDeployment(tiny_model_dir(arch), python=vllm_python,
                         log_dir=tmp_path_factory.mktemp(f"afd-{arch}"),
@@ -135,7 +135,7 @@ def test_two_attention_ranks_share_one_ffn(tiny_model_dir, vllm_python, tmp_path
 
 @pytest.fixture(scope="module")
 def plain_outputs_qwen(tiny_model_dir, vllm_python, tmp_path_factory):
-    from vllm_afd.testing.server import VllmServer, cpu_server_env
+    from afd_harness.server import VllmServer, cpu_server_env
 
     log = tmp_path_factory.mktemp("plain-qwen-tp1") / "plain.log"
     with VllmServer(tiny_model_dir("qwen3_moe"), python=vllm_python, launcher="cli",

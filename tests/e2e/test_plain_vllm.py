@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 import pytest
 
-from vllm_afd.testing.server import ServerStartError, VllmServer, chat, complete, complete_batch
+from afd_harness.server import ServerStartError, VllmServer, chat, complete, complete_batch
 
 pytestmark = pytest.mark.e2e
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_afd.testing.server import VllmServer, complete, complete_batch, cpu_server_env
+from afd_harness.server import VllmServer, complete, complete_batch, cpu_server_env
 
 pytestmark = pytest.mark.e2e
 
@@ -68,7 +68,7 @@ def greedy(server: VllmServer) -> dict[str, list]:
 @pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v2"])
 def test_patched_vllm_without_afd_gives_pristine_tokens(arch, tiny_model_dir, vllm_python,
                                                         pristine_site, tmp_path):
-    from vllm_afd.testing.tiny_models import serve_env
+    from afd_harness.tiny_models import serve_env
 
     model = tiny_model_dir(arch)
     env = {**cpu_server_env(omp_cpus="0"), **serve_env(model)}

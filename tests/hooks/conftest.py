@@ -7,7 +7,7 @@
   default the running one); tests that start vLLM skip when it has no patched vLLM.
 * `probe_site`: the test plugin `tests/hook_probe` installed with pip into a tmp target,
   put on PYTHONPATH so vLLM finds its `vllm.general_plugins` entry point in every process.
-* `tiny_model`: the tiny Qwen3-MoE checkpoint from `vllm_afd.testing.tiny_models`.
+* `tiny_model`: the tiny Qwen3-MoE checkpoint from `afd_harness.tiny_models`.
 """
 
 from __future__ import annotations
@@ -90,11 +90,11 @@ def probe_site(tmp_path_factory: pytest.TempPathFactory, patched_python: str) ->
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory, patched_python: str) -> Path:
-    """Tiny Qwen3-MoE (hidden 128, head_dim 64, 8 experts) built by the overlay's builder."""
+    """Tiny Qwen3-MoE (hidden 128, head_dim 64, 8 experts) built by the test harness's builder."""
     out = Path(os.environ.get("AFD_TINY_MODEL_DIR") or tmp_path_factory.mktemp("models") / "qwen3_moe")
-    env = {**os.environ, "PYTHONPATH": str(REPO / "overlay")}
+    env = {**os.environ, "PYTHONPATH": str(REPO / "tests" / "harness")}
     done = subprocess.run(
-        [patched_python, "-m", "vllm_afd.testing.tiny_models", "--arch", "qwen3_moe", "--out", str(out)],
+        [patched_python, "-m", "afd_harness.tiny_models", "--arch", "qwen3_moe", "--out", str(out)],
         capture_output=True, text=True, env=env, timeout=SUBPROCESS_TIMEOUT_S,
     )
     assert done.returncode == 0, f"building the tiny model failed:\n{done.stdout}{done.stderr}"

@@ -67,7 +67,7 @@ def vllm_distributed(tiny_model_dirs, without_afd_plugin):
 def tiny_model_dirs(tmp_path_factory) -> dict[str, pathlib.Path]:
     """Tiny checkpoints: the shared recipes plus a local DeepSeek-V3 noaux_tc variant."""
     from models_support import build_deepseek_v3_noaux
-    from vllm_afd.testing.tiny_models import build_tiny_model
+    from afd_harness.tiny_models import build_tiny_model
 
     root = tmp_path_factory.mktemp("tiny_models")
     dirs = {arch: build_tiny_model(arch, root / arch) for arch in ("qwen3_moe", "deepseek_v2")}

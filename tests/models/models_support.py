@@ -23,7 +23,7 @@ def build_deepseek_v3_noaux(out_dir: pathlib.Path) -> pathlib.Path:
     import transformers
     from safetensors.torch import load_file, save_file
 
-    from vllm_afd.testing.tiny_models import init_weights
+    from afd_harness.tiny_models import init_weights
 
     config = transformers.DeepseekV3Config(
         vocab_size=512, hidden_size=128, intermediate_size=128, moe_intermediate_size=64,

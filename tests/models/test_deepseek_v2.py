@@ -15,7 +15,7 @@ from vllm_afd.models.deepseek_v2 import (  # noqa: E402
     AFDDeepseekV2ForCausalLM,
     AFDDeepseekV3ForCausalLM,
 )
-from vllm_afd.models.proxy import RemoteFFNProxy  # noqa: E402
+from vllm_afd.models.base import RemoteDenseProxy  # noqa: E402
 
 FP16 = {"dtype": "float16"}
 
@@ -44,7 +44,7 @@ def test_fp16_dense_output_is_scaled_once_on_the_ffn(fp16_pair):
 
     assert torch.equal(actual, expected)
     # The attention side's dense slot is no DeepseekV2MLP: its inherited forward does not scale again.
-    assert type(attention.model.model.layers[0].mlp) is RemoteFFNProxy
+    assert type(attention.model.model.layers[0].mlp) is RemoteDenseProxy
 
 
 def test_fp16_moe_output_is_left_to_the_block(fp16_pair):
@@ -122,7 +122,6 @@ def test_mtp_layers_in_the_checkpoint_are_dropped(build, tiny_model_dirs):
 def test_v3_alias_is_a_v3_model_with_the_v2_machinery():
     assert issubclass(AFDDeepseekV3ForCausalLM, ds.DeepseekV3ForCausalLM)
     assert issubclass(AFDDeepseekV3ForCausalLM, AFDDeepseekV2ForCausalLM)
-    assert AFDDeepseekV3ForCausalLM.model_cls is AFDDeepseekV2ForCausalLM.model_cls
     assert AFDDeepseekV3ForCausalLM.packed_modules_mapping is not ds.DeepseekV3ForCausalLM.packed_modules_mapping
 
 

@@ -1,8 +1,8 @@
 """Both halves against the native model, built in-process from the same tiny checkpoints.
 
 For every architecture and gate placement: each half holds exactly its role's parameters
-(AFD_SPEC §7.3, §7.6) and loads them through the native loader's strict check; the FFN
-half's outputs equal the native `mlp` outputs bit for bit (§7.5); misuse fails loudly.
+(docs/models.md) and loads them through the native loader's strict check; the FFN
+half's outputs equal the native `mlp` outputs bit for bit; misuse fails loudly.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from vllm.model_executor.models import qwen3_moe as qw  # noqa: E402
 
 from vllm_afd.models import deepseek_v2 as afd_ds  # noqa: E402
 from vllm_afd.models import qwen3_moe as afd_qw  # noqa: E402
-from vllm_afd.models.proxy import RemoteFFNProxy  # noqa: E402
+from vllm_afd.models.base import RemoteDenseProxy  # noqa: E402
 from vllm_afd.models.split import layer_kinds, moe_layer_indices, weight_role  # noqa: E402
 
 ARCHS = {
@@ -71,6 +71,39 @@ def test_each_half_holds_exactly_its_roles_parameters(zoo, arch, gate_on_attenti
     assert len(ffn) > 0 and len(attention) > 0
 
 
+@pytest.mark.parametrize("gate_on_attention", [False, True])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_each_half_registers_only_its_roles_layers(zoo, arch, gate_on_attention):
+    """Attention layers (KV cache) only on attention, fused-MoE layers only on the FFN."""
+    native = zoo(arch)
+    moe = moe_layer_indices(native.config.model_config.hf_text_config, ARCHS[arch][2])
+
+    attention, ffn = (set(zoo(arch, role, gate_on_attention).config.compilation_config
+                          .static_forward_context) for role in ("attention", "ffn"))
+
+    assert attention and all(".self_attn." in name for name in attention)
+    assert ffn == {f"model.layers.{idx}.mlp.experts" for idx in moe}
+    assert attention | ffn == set(native.config.compilation_config.static_forward_context)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_afd_config_is_read_once_per_model(build, tiny_model_dirs, monkeypatch, arch):
+    from vllm_afd.models import base
+
+    alias, env = ARCHS[arch][0], ARCHS[arch][3]
+    read, callers = base.require_afd_config, []
+
+    def recording(src, caller, *args, **kwargs):
+        callers.append(caller)
+        return read(src, caller, *args, **kwargs)
+
+    monkeypatch.setattr(base, "require_afd_config", recording)
+
+    build(tiny_model_dirs[arch], alias, afd("ffn", True), env=env)
+
+    assert callers == [alias.__name__]
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_layer_kinds_agree_with_the_native_modules(zoo, arch):
     native = zoo(arch)
@@ -98,7 +131,7 @@ def test_attention_mlp_slots_hold_parameter_free_proxies(zoo, arch):
             assert (mlp.n_routed_experts, mlp.n_logical_experts, mlp.n_local_physical_experts) == (
                 num_experts, num_experts, 0)
         else:
-            assert type(mlp) is RemoteFFNProxy
+            assert type(mlp) is RemoteDenseProxy
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -168,7 +201,7 @@ def test_routing_spec_describes_the_attention_routers_output(zoo, arch):
     for idx in ffn.model.get_experts_layer_indices():
         spec = ffn.model.get_experts_routing_spec(idx)
         logits, _ = attention.run(lambda: attention.model.model.layers[idx].mlp.gate(hidden))
-        assert (spec.router_logits_width, spec.router_logits_dtype) == (logits.shape[1], logits.dtype)
+        assert (spec.width, spec.dtype) == (logits.shape[1], logits.dtype)
         assert attention.model.get_experts_routing_spec(idx) == spec
     with pytest.raises(RuntimeError, match="layer 0 is dense; expected a MoE layer"):
         ffn.model.get_experts_routing_spec(0)

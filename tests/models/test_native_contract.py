@@ -1,13 +1,17 @@
-"""What the AFD model classes assume of vLLM 0.30.0's native model code (AFD_SPEC §7.1, §10).
+"""What the AFD model classes assume of vLLM 0.30.0's native model code (docs/models.md).
 
-Signatures of the native constructors the aliases call or mirror, the inherited `forward`s,
-and, on built models, that every plain attribute and child a native `__init__` sets is also
-set by its AFD counterpart (the inherited methods read them).
+The AFD classes run the native constructors and pick modules through the model seams of
+`patches/` (docs/hooks.md): pinned here are the seams' native defaults, the signatures of the
+native constructors whose arguments the AFD stand-ins accept, the inherited `forward`s and
+loaders, that only the proxies skip a native constructor, and, on built models, that every
+plain attribute and child a native `__init__` sets is also set on its AFD counterpart.
 """
 
 from __future__ import annotations
 
+import ast
 import inspect
+from pathlib import Path
 
 import pytest
 
@@ -15,8 +19,14 @@ pytest.importorskip("vllm")
 
 from models_support import MLA_OFF, afd  # noqa: E402
 from torch import nn  # noqa: E402
-from vllm.model_executor.layers.fused_moe import FusedMoEFactory, GateLinear  # noqa: E402
+from vllm.model_executor.layers.fused_moe import GateLinear  # noqa: E402
 from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner  # noqa: E402
+from vllm.model_executor.layers.layernorm import RMSNorm  # noqa: E402
+from vllm.model_executor.layers.linear import ReplicatedLinear  # noqa: E402
+from vllm.model_executor.layers.vocab_parallel_embedding import (  # noqa: E402
+    ParallelLMHead,
+    VocabParallelEmbedding,
+)
 from vllm.model_executor.models import deepseek_v2 as ds  # noqa: E402
 from vllm.model_executor.models import qwen3_moe as qw  # noqa: E402
 
@@ -28,32 +38,53 @@ def params(fn):
     return list(inspect.signature(fn).parameters)
 
 
+# (native class, seam attribute, its native default): the seams the AFD classes override.
+SEAM_DEFAULTS = [
+    (qw.Qwen3MoeSparseMoeBlock, "gate_cls", ReplicatedLinear),
+    (qw.Qwen3MoeSparseMoeBlock, "experts_apply_gate", True),
+    (qw.Qwen3MoeDecoderLayer, "self_attn_cls", qw.Qwen3MoeAttention),
+    (qw.Qwen3MoeDecoderLayer, "moe_block_cls", qw.Qwen3MoeSparseMoeBlock),
+    (qw.Qwen3MoeDecoderLayer, "mlp_cls", qw.Qwen3MoeMLP),
+    (qw.Qwen3MoeDecoderLayer, "norm_cls", RMSNorm),
+    (qw.Qwen3MoeModel, "embed_tokens_cls", VocabParallelEmbedding),
+    (qw.Qwen3MoeModel, "norm_cls", RMSNorm),
+    (qw.Qwen3MoeForCausalLM, "model_cls", qw.Qwen3MoeModel),
+    (qw.Qwen3MoeForCausalLM, "lm_head_cls", ParallelLMHead),
+    (ds.DeepseekV2MoE, "gate_cls", GateLinear),
+    (ds.DeepseekV2MoE, "experts_apply_gate", True),
+    (ds.DeepseekV2DecoderLayer, "self_attn_cls", None),
+    (ds.DeepseekV2DecoderLayer, "moe_block_cls", ds.DeepseekV2MoE),
+    (ds.DeepseekV2DecoderLayer, "mlp_cls", ds.DeepseekV2MLP),
+    (ds.DeepseekV2DecoderLayer, "norm_cls", RMSNorm),
+    (ds.DeepseekV2Model, "embed_tokens_cls", VocabParallelEmbedding),
+    (ds.DeepseekV2Model, "decoder_layer_cls", ds.DeepseekV2DecoderLayer),
+    (ds.DeepseekV2Model, "norm_cls", RMSNorm),
+    (ds.DeepseekV2ForCausalLM, "model_cls", ds.DeepseekV2Model),
+    (ds.DeepseekV2ForCausalLM, "lm_head_cls", ParallelLMHead),
+]
+
+
+@pytest.mark.parametrize("native, name, default", SEAM_DEFAULTS,
+                         ids=[f"{c.__name__}.{n}" for c, n, _ in SEAM_DEFAULTS])
+def test_installed_vllm_has_the_model_seams_with_native_defaults(native, name, default):
+    assert vars(native)[name] is default
+
+
+# Native constructors whose arguments an AFD stand-in accepts in its place (proxies, the dense
+# proxy's `prefix`), or which it calls itself (the proxies' routers), and what the experts call.
 PINNED_SIGNATURES = [
     (qw.Qwen3MoeForCausalLM.__init__, ["self", "vllm_config", "prefix"]),
-    (qw.Qwen3MoeDecoderLayer.__init__, ["self", "vllm_config", "prefix", "is_fused_checkpoint_transposed"]),
     (qw.Qwen3MoeSparseMoeBlock.__init__, ["self", "vllm_config", "prefix", "is_fused_checkpoint_transposed"]),
     (qw.Qwen3MoeMLP.__init__, ["self", "hidden_size", "intermediate_size", "hidden_act", "quant_config",
                                "reduce_results", "expert_gate", "prefix"]),
-    (qw.Qwen3MoeAttention.__init__, ["self", "hidden_size", "num_heads", "num_kv_heads", "rope_parameters",
-                                     "max_position_embeddings", "head_dim", "rms_norm_eps", "qkv_bias",
-                                     "cache_config", "quant_config", "prefix", "dual_chunk_attention_config"]),
     (ds.DeepseekV2ForCausalLM.__init__, ["self", "vllm_config", "prefix"]),
-    (ds.DeepseekV2DecoderLayer.__init__, ["self", "vllm_config", "prefix", "config", "topk_indices_buffer",
-                                          "index_group_builder"]),
+    (ds.DeepseekV2ForCausalLM.set_moe_parameters, ["self"]),
     (ds.DeepseekV2MoE.__init__, ["self", "config", "parallel_config", "quant_config", "reduce_results",
                                  "prefix", "apply_routed_scale_to_output"]),
     (ds.DeepseekV2MLP.__init__, ["self", "hidden_size", "intermediate_size", "hidden_act", "quant_config",
                                  "reduce_results", "is_sequence_parallel", "prefix"]),
-    (ds.DeepseekV2Attention.__init__, ["self", "vllm_config", "config", "hidden_size", "num_heads",
-                                       "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "q_lora_rank",
-                                       "kv_lora_rank", "max_position_embeddings", "cache_config",
-                                       "quant_config", "topk_indices_buffer", "reduce_results", "prefix"]),
-    (ds.DeepseekV2MLAAttention.__init__, ["self", "vllm_config", "config", "hidden_size", "num_heads",
-                                          "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
-                                          "q_lora_rank", "kv_lora_rank", "max_position_embeddings",
-                                          "cache_config", "quant_config", "prefix", "topk_indices_buffer",
-                                          "index_group_builder", "input_size", "reduce_results",
-                                          "non_causal_multi_token_decode"]),
+    (ReplicatedLinear.__init__, ["self", "input_size", "output_size", "bias", "skip_bias_add", "params_dtype",
+                                 "quant_config", "prefix", "return_bias", "disable_tp"]),
     (GateLinear.__init__, ["self", "input_size", "output_size", "bias", "out_dtype", "params_dtype",
                            "force_fp32_compute", "prefix"]),
     (MoERunner.forward, ["self", "hidden_states", "router_logits", "input_ids", "shared_experts_input"]),
@@ -65,32 +96,19 @@ def test_native_signatures_are_the_pinned_ones(fn, expected):
     assert params(fn) == expected
 
 
-def test_fused_moe_factory_still_takes_every_argument_the_experts_blocks_pass():
-    used = {"shared_experts", "gate", "num_experts", "top_k", "hidden_size", "intermediate_size",
-            "renormalize", "quant_config", "prefix", "enable_eplb", "num_redundant_experts",
-            "is_sequence_parallel", "is_fused_checkpoint_transposed", "use_grouped_topk",
-            "num_expert_group", "topk_group", "scoring_func", "routed_scaling_factor",
-            "apply_routed_scale_to_output", "e_score_correction_bias", "reduce_results",
-            "router_logits_dtype"}
-
-    assert used <= set(params(FusedMoEFactory))
-
-
-@pytest.mark.parametrize("ours, native", [
-    (afd_qw.AFDQwen3MoeDecoderLayer, qw.Qwen3MoeDecoderLayer),
-    (afd_ds.AFDDeepseekV2DecoderLayer, ds.DeepseekV2DecoderLayer),
-    (afd_qw.AFDQwen3MoeExperts, qw.Qwen3MoeSparseMoeBlock),
-    (afd_ds.AFDDeepseekV2Experts, ds.DeepseekV2MoE),
+@pytest.mark.parametrize("proxy, native", [
+    (afd_qw.AFDQwen3MoeProxy, qw.Qwen3MoeSparseMoeBlock),
+    (afd_ds.AFDDeepseekV2MoEProxy, ds.DeepseekV2MoE),
 ])
-def test_afd_constructors_keep_the_native_signatures(ours, native):
-    assert params(ours.__init__) == params(native.__init__)
+def test_moe_proxies_take_the_native_block_arguments(proxy, native):
+    assert params(proxy.__init__) == params(native.__init__) + ["gate_on_attention"]
 
 
 @pytest.mark.parametrize("ours, native, names", [
     (afd_qw.AFDQwen3MoeDecoderLayer, qw.Qwen3MoeDecoderLayer, ["forward"]),
     (afd_ds.AFDDeepseekV2DecoderLayer, ds.DeepseekV2DecoderLayer, ["forward"]),
-    (afd_qw.AFDQwen3MoeModel, qw.Qwen3MoeModel, ["forward", "load_weights", "embed_input_ids"]),
-    (afd_ds.AFDDeepseekV2Model, ds.DeepseekV2Model, ["forward", "load_weights", "embed_input_ids"]),
+    (afd_qw.AFDQwen3MoeModel, qw.Qwen3MoeModel, ["forward", "load_weights", "embed_input_ids", "__call__"]),
+    (afd_ds.AFDDeepseekV2Model, ds.DeepseekV2Model, ["forward", "load_weights", "embed_input_ids", "__call__"]),
     (afd_qw.AFDQwen3MoeForCausalLM, qw.Qwen3MoeForCausalLM, ["forward", "compute_logits"]),
     (afd_ds.AFDDeepseekV2ForCausalLM, ds.DeepseekV2ForCausalLM, ["forward", "compute_logits"]),
     (afd_ds.AFDDeepseekV3ForCausalLM, ds.DeepseekV3ForCausalLM, ["forward", "compute_logits"]),
@@ -104,6 +122,12 @@ def test_forward_and_loaders_are_inherited_unchanged(ours, native, names):
     (afd_qw.AFDQwen3MoeForCausalLM, qw.Qwen3MoeForCausalLM),
     (afd_ds.AFDDeepseekV2ForCausalLM, ds.DeepseekV2ForCausalLM),
     (afd_ds.AFDDeepseekV3ForCausalLM, ds.DeepseekV3ForCausalLM),
+    (afd_qw.AFDQwen3MoeModel, qw.Qwen3MoeModel),
+    (afd_ds.AFDDeepseekV2Model, ds.DeepseekV2Model),
+    (afd_qw.AFDQwen3MoeDecoderLayer, qw.Qwen3MoeDecoderLayer),
+    (afd_ds.AFDDeepseekV2DecoderLayer, ds.DeepseekV2DecoderLayer),
+    (afd_qw.AFDQwen3MoeExperts, qw.Qwen3MoeSparseMoeBlock),
+    (afd_ds.AFDDeepseekV2Experts, ds.DeepseekV2MoE),
     (afd_qw.AFDQwen3MoeProxy, qw.Qwen3MoeSparseMoeBlock),
     (afd_ds.AFDDeepseekV2MoEProxy, ds.DeepseekV2MoE),
 ])
@@ -117,6 +141,39 @@ def test_alias_load_weights_wraps_the_native_loader():
         assert alias.__mro__[2].load_weights is alias.__mro__[2].__dict__["load_weights"]
 
 
+ALIAS_MODULES = [afd_qw, afd_ds]
+# Classes that never run their native base's constructor (it would build the experts).
+PROXIES = {"AFDQwen3MoeProxy", "AFDDeepseekV2MoEProxy"}
+
+
+def class_defs(module):
+    tree = ast.parse(Path(module.__file__).read_text(encoding="utf-8"))
+    return [node for node in tree.body if isinstance(node, ast.ClassDef)]
+
+
+@pytest.mark.parametrize("module", ALIAS_MODULES, ids=lambda m: m.__name__)
+def test_only_the_proxies_replace_a_native_constructor(module):
+    for cls in class_defs(module):
+        inits = [n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "__init__"]
+        calls = {ast.unparse(node.func) for init in inits for node in ast.walk(init)
+                 if isinstance(node, ast.Call)}
+        if cls.name in PROXIES:
+            assert "self.init_proxy" in calls, cls.name
+        elif inits and cls.name.startswith("AFD"):
+            assert "super().__init__" in calls, cls.name
+        assert "nn.Module.__init__" not in calls, cls.name
+
+
+@pytest.mark.parametrize("module", ALIAS_MODULES, ids=lambda m: m.__name__)
+def test_afd_properties_override_native_seams_only(module):
+    for cls in class_defs(module):
+        ours = getattr(module, cls.name)
+        native = next((base for base in ours.__mro__ if base.__module__.startswith("vllm.")), None)
+        for name, value in vars(ours).items() if native is not None else ():
+            if isinstance(value, property):
+                assert name in dir(native), f"{cls.name}.{name}: no such seam on {native.__name__}"
+
+
 EXPERTS_BLOCKS = (afd_qw.AFDQwen3MoeExperts, afd_ds.AFDDeepseekV2Experts)
 
 
@@ -127,7 +184,7 @@ def state(module: nn.Module) -> tuple[set[str], set[str]]:
 
 
 def pairs(native, half):
-    """(native module, AFD module) pairs at every level the AFD classes reimplement."""
+    """(native module, AFD module) pairs at every level the AFD classes subclass."""
     yield native.model, half.model
     yield native.model.model, half.model.model
     for native_layer, afd_layer in zip(native.model.model.layers, half.model.model.layers):
@@ -152,8 +209,6 @@ def test_afd_modules_set_every_attribute_and_child_of_the_native_ones(build, tin
         for native_module, afd_module in pairs(native, half):
             native_attrs, native_children = state(native_module)
             afd_attrs, afd_children = state(afd_module)
-            where = f"{type(afd_module).__name__} ({half.model.afd_role})"
+            where = f"{type(afd_module).__name__} ({half.model.afd_settings.role})"
             assert native_attrs - {"compiled", "was_aot_compile_fn_loaded_from_disk"} <= afd_attrs, where
-            # The experts-only blocks hold no router (a DeepSeek noaux_tc one keeps its bias).
-            no_router = {"gate"} if isinstance(afd_module, EXPERTS_BLOCKS) else set()
-            assert native_children - no_router <= afd_children <= native_children, where
+            assert native_children == afd_children, where

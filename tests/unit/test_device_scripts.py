@@ -8,6 +8,7 @@ report, and the orchestrator's skeleton (outputs written, at most 8 files under 
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import shutil
@@ -27,8 +28,9 @@ sys.path.insert(0, str(DEVICE))
 
 import e2e_report as report  # noqa: E402
 import gpu_e2e  # noqa: E402
-import phases  # noqa: E402
 import install_overlay  # noqa: E402
+import phases  # noqa: E402
+import run_state  # noqa: E402
 import serving  # noqa: E402
 from bench_connector_rtt import parse_shapes, run_bench  # noqa: E402
 
@@ -39,6 +41,14 @@ def test_read_project_of_the_overlay():
     assert info.entry_points["vllm.general_plugins"] == {"afd": "vllm_afd.plugin:register"}
     assert info.package_root == ROOT / "overlay"
     assert (info.package_root / "vllm_afd" / "__init__.py").is_file()
+    assert not (info.package_root / "vllm_afd" / "testing").exists()  # the harness is its own distribution
+
+
+def test_device_scripts_find_the_test_harness():
+    """gpu_e2e.py and build_models.py put run_state.HARNESS on the path; the device has no pip."""
+    assert (run_state.HARNESS / "pyproject.toml").is_file()
+    assert (run_state.HARNESS / "afd_harness" / "server.py").is_file()
+    assert (run_state.HARNESS / "afd_harness" / "tiny_models.py").is_file()
 
 
 @pytest.fixture(scope="module")
@@ -348,7 +358,7 @@ def test_run_skeleton_records_a_failed_phase_and_keeps_outputs_within_device_lim
 
 
 def test_hook_phase_without_the_script_says_missing(tmp_path):
-    run = gpu_e2e.Run(_parse("--work", str(tmp_path / "w"), "--afd-site", str(tmp_path / "site"),
+    run = run_state.Run(_parse("--work", str(tmp_path / "w"), "--afd-site", str(tmp_path / "site"),
                              "--hook-check-script", str(tmp_path / "absent.py"), out=str(tmp_path / "out")))
     run.models = {"qwen3_moe": {"path": str(tmp_path / "model")}}
 
@@ -375,6 +385,29 @@ def test_parse_shapes_and_last_json():
     for bad in ("1x", "0x128", "ax2"):
         with pytest.raises(ValueError, match="ROWSxHIDDEN"):
             parse_shapes(bad)
+
+
+def _local_imports(path: Path, local: set[str]) -> set[str]:
+    """The sibling modules `path` imports anywhere (TYPE_CHECKING blocks and functions included)."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module.split(".")[0])
+    return names & local
+
+
+def test_device_imports_point_one_way():
+    """No cycle among scripts/device modules: each can be read knowing only what it imports."""
+    modules = {path.stem: path for path in DEVICE.glob("*.py")}
+    graph = {name: _local_imports(path, set(modules) - {name}) for name, path in modules.items()}
+    assert graph["phases"] >= {"run_state", "serving"} and "gpu_e2e" not in graph["phases"]
+    order: list[str] = []
+    while len(order) < len(graph):
+        ready = sorted(name for name, deps in graph.items() if name not in order and deps <= set(order))
+        assert ready, f"import cycle among {sorted(set(graph) - set(order))}: {graph}"
+        order += ready
 
 
 def test_connector_bench_runs_on_cpu():

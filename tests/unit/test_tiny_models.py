@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 
-from vllm_afd.testing import tiny_models  # noqa: E402
-from vllm_afd.testing.tiny_models import (  # noqa: E402
+from afd_harness import tiny_models  # noqa: E402
+from afd_harness.tiny_models import (  # noqa: E402
     RECIPE_FILE,
     TINY_ARCHS,
     build_tiny_model,

@@ -1,11 +1,11 @@
-"""vllm_afd.topology: ranks, pairing, row counts and the layout rule (AFD_SPEC §3.1-3.5)."""
+"""vllm_afd.wire.topology: ranks, pairing, row counts and the layout rule (docs/topology.md)."""
 
 import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from vllm_afd.errors import AFDLayoutError
-from vllm_afd.topology import (
+from vllm_afd.wire.errors import AFDLayoutError
+from vllm_afd.wire.topology import (
     afd_rank,
     attention_block,
     check_layout,
@@ -31,7 +31,7 @@ def _pairing(num_attention_ranks, num_ffn_ranks, role, role_rank):
     return subgroup, (() if peer is None else (peer,))
 
 
-# --- role and AFD ranks (§3.1, §3.2) ------------------------------------------------------------
+# --- role and AFD ranks (docs/topology.md#role-rank) ---------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -66,7 +66,7 @@ def test_afd_ranks_are_ffn_first():
     assert [afd_rank("attention", j, 2) for j in range(3)] == [2, 3, 4]
 
 
-# --- pairing (§3.2, §3.3, §3.5 worked examples, §10 checklist) ----------------------------------
+# --- pairing (docs/topology.md#data-pairing, #control-pairing, #worked-examples) ----------------
 
 
 @pytest.mark.parametrize(
@@ -135,12 +135,12 @@ def test_data_map_is_monotone_and_inverse_of_the_blocks(sizes):
         assert subgroup[0] == k and afd_rank("attention", j, num_ffn_ranks) in subgroup[1:]
 
 
-# --- row counts (§3.4) ---------------------------------------------------------------------------
+# --- row counts (docs/topology.md#row-counts) ----------------------------------------------------
 
 
-def test_idle_dp_rank_sends_one_row():
-    assert peer_rows([0, 4], 1, 0, 2, 1) == [1, 4]
-    assert sum(peer_rows([0, 4], 1, 0, 2, 1)) == 5
+def test_idle_attention_rank_sends_one_row():
+    assert peer_rows([0, 4], 0, 2, 1) == [1, 4]
+    assert sum(peer_rows([0, 4], 0, 2, 1)) == 5
     assert [rows(n) for n in (0, 1, 7)] == [1, 1, 7]
 
 
@@ -152,48 +152,67 @@ def test_dp_counts_expand_to_one_entry_per_attention_rank():
 
 
 @pytest.mark.parametrize(
-    ("counts_dp", "tp", "num_attention_ranks", "num_ffn_ranks", "per_ffn"),
+    ("counts", "num_attention_ranks", "num_ffn_ranks", "per_ffn"),
     [
-        ([3, 0], 1, 2, 1, [[3, 1]]),
-        ([1, 2, 3, 0], 1, 4, 2, [[1, 2], [3, 1]]),
-        ([1, 2, 3, 4, 5, 6], 1, 6, 3, [[1, 2], [3, 4], [5, 6]]),
-        ([1, 2, 3], 1, 3, 2, [[1, 2], [3]]),
-        ([1, 2, 3, 4, 5], 1, 5, 2, [[1, 2, 3], [4, 5]]),
-        ([8, 0], 2, 4, 2, [[8, 8], [1, 1]]),
+        ([3, 0], 2, 1, [[3, 1]]),
+        ([1, 2, 3, 0], 4, 2, [[1, 2], [3, 1]]),
+        ([1, 2, 3, 4, 5, 6], 6, 3, [[1, 2], [3, 4], [5, 6]]),
+        ([1, 2, 3], 3, 2, [[1, 2], [3]]),
+        ([1, 2, 3, 4, 5], 5, 2, [[1, 2, 3], [4, 5]]),
+        ([8, 8, 0, 0], 4, 2, [[8, 8], [1, 1]]),  # attention DP2 x TP2, TP-expanded by the publisher
     ],
 )
-def test_per_peer_ffn_shapes(counts_dp, tp, num_attention_ranks, num_ffn_ranks, per_ffn):
-    actual = [peer_rows(counts_dp, tp, k, num_attention_ranks, num_ffn_ranks) for k in range(num_ffn_ranks)]
+def test_per_peer_ffn_shapes(counts, num_attention_ranks, num_ffn_ranks, per_ffn):
+    actual = [peer_rows(counts, k, num_attention_ranks, num_ffn_ranks) for k in range(num_ffn_ranks)]
 
     assert actual == per_ffn
 
 
-def test_dp_vector_of_the_wrong_length_is_rejected():
-    with pytest.raises(ValueError, match="expected num_attention_ranks=4"):
-        peer_rows([1, 2, 3], 1, 0, 4, 2)
+@pytest.mark.parametrize("counts", [[1, 2, 3], [8, 0]])
+def test_count_vector_of_the_wrong_length_is_rejected(counts):
+    """The payload carries one count per attention rank; a DP-level vector (protocol 1) is refused."""
+    with pytest.raises(ValueError) as info:
+        peer_rows(counts, 0, 4, 2)
+
+    assert str(info.value) == (
+        f"AFD row counts: {len(counts)} entries, expected one per attention rank (num_attention_ranks=4); "
+        "publish TP-expanded counts"
+    )
+
+
+@given(_sizes.flatmap(lambda s: st.tuples(st.just(s), st.lists(st.integers(0, 99), min_size=s[0], max_size=s[0]))))
+@example(((2, 1), [0, 4]))
+def test_every_published_row_is_received_by_exactly_one_ffn_rank(sizes_and_counts):
+    (num_attention_ranks, num_ffn_ranks), counts = sizes_and_counts
+
+    received = [peer_rows(counts, k, num_attention_ranks, num_ffn_ranks) for k in range(num_ffn_ranks)]
+
+    assert [n for per_peer in received for n in per_peer] == [rows(n) for n in counts]
 
 
 @pytest.mark.parametrize(
-    ("counts_dp", "tp_attention", "num_attention_ranks", "num_ffn_ranks", "tp_ffn", "expected"),
+    ("counts", "num_attention_ranks", "num_ffn_ranks", "tp_ffn", "expected"),
     [
-        ([3, 0, 5, 2], 1, 4, 2, 1, [4, 7]),  # 4A2F, FFN DP2: one entry per FFN DP rank (bug #218)
-        ([6], 2, 2, 2, 2, [6]),  # attention 1x2, FFN 1x2: both FFN TP peers see DP0's 6 rows
-        ([2, 9], 2, 4, 4, 2, [2, 9]),  # 2x2 on 2x2
-        ([0, 0, 0], 1, 3, 1, 1, [3]),  # idle ranks still send a row each
+        ([3, 0, 5, 2], 4, 2, 1, [4, 7]),  # 4A2F, FFN DP2: one entry per FFN DP rank (bug #218)
+        ([6, 6], 2, 2, 2, [6]),  # attention 1x2, FFN 1x2: both FFN TP peers see DP0's 6 rows
+        ([2, 2, 9, 9], 4, 4, 2, [2, 9]),  # 2x2 on 2x2
+        ([0, 0, 0], 3, 1, 1, [3]),  # idle ranks still send a row each
     ],
 )
-def test_ffn_level_dp_counts(counts_dp, tp_attention, num_attention_ranks, num_ffn_ranks, tp_ffn, expected):
-    assert ffn_dp_counts(counts_dp, tp_attention, num_attention_ranks, num_ffn_ranks, tp_ffn) == expected
+def test_ffn_level_dp_counts(counts, num_attention_ranks, num_ffn_ranks, tp_ffn, expected):
+    assert ffn_dp_counts(counts, num_attention_ranks, num_ffn_ranks, tp_ffn) == expected
 
 
 def test_ffn_level_counts_refuse_an_invalid_layout():
     with pytest.raises(AFDLayoutError, match="TP peers of FFN DP rank 0 would process"):
-        ffn_dp_counts([1, 5], 1, 2, 2, 2)
+        ffn_dp_counts([1, 5], 2, 2, 2)
     with pytest.raises(AFDLayoutError, match="not a multiple of FFN TP 2"):
-        ffn_dp_counts([1, 5, 1], 1, 3, 3, 2)
+        ffn_dp_counts([1, 5, 1], 3, 3, 2)
+    with pytest.raises(ValueError, match="expected one per attention rank"):
+        ffn_dp_counts([1, 5], 4, 2, 1)
 
 
-# --- layout rule (§3.5) ---------------------------------------------------------------------------
+# --- layout rule (docs/topology.md#layout-rule) --------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -260,9 +279,10 @@ _layouts = st.tuples(st.integers(1, 6), st.integers(1, 4), st.integers(1, 6), st
 @example((2, 1, 1, 2), [0] * 6)
 @example((2, 2, 2, 2), [0] * 6)
 @example((1, 3, 1, 2), [0] * 6)  # found by hypothesis: unequal blocks on FFN TP peers
-def test_layout_rule_matches_a_token_level_model(layout, counts):
+def test_layout_rule_matches_a_token_level_model(layout, counts_dp):
     attention_dp, attention_tp, ffn_dp, ffn_tp = layout
     num_attention_ranks, num_ffn_ranks = attention_dp * attention_tp, ffn_dp * ffn_tp
+    counts = expand_dp_counts(counts_dp[:attention_dp], attention_tp)
 
     try:
         check_layout(attention_dp, attention_tp, ffn_dp, ffn_tp, num_attention_ranks, num_ffn_ranks)
@@ -280,9 +300,8 @@ def test_layout_rule_matches_a_token_level_model(layout, counts):
     if (attention_dp, ffn_dp, ffn_tp) == (1, 1, 2) and not same_sized_blocks:
         assert not valid
     if valid:
-        totals = ffn_dp_counts(counts[:attention_dp], attention_tp, num_attention_ranks, num_ffn_ranks, ffn_tp)
+        totals = ffn_dp_counts(counts, num_attention_ranks, num_ffn_ranks, ffn_tp)
         assert len(totals) == ffn_dp
         assert sum(totals) * ffn_tp == sum(
-            sum(peer_rows(counts[:attention_dp], attention_tp, k, num_attention_ranks, num_ffn_ranks))
-            for k in range(num_ffn_ranks)
+            sum(peer_rows(counts, k, num_attention_ranks, num_ffn_ranks)) for k in range(num_ffn_ranks)
         )

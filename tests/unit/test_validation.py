@@ -17,7 +17,7 @@ vllm = pytest.importorskip("vllm")
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from vllm_afd.testing.tiny_models import build_tiny_model
+    from afd_harness.tiny_models import build_tiny_model
 
     return build_tiny_model("qwen3_moe", tmp_path_factory.mktemp("models") / "qwen3_moe")
 

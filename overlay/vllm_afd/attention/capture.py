@@ -24,13 +24,9 @@ class AFDModelCudaGraphManager(ModelCudaGraphManager):
 
     def before_capture_forward(self, desc: Any, warmup: bool) -> None:
         super().before_capture_forward(desc, warmup)
-        runner = self.afd_runner
-        num_dp_ranks = runner.vllm_config.parallel_config.data_parallel_size
-        runner.afd_connector.control_plane.send_dp_metadata(
-            {0: capture_counts(desc.num_tokens, num_dp_ranks)},
-            is_warmup=warmup,
-            is_graph_capturing=not warmup,
-        )
+        connector = self.afd_runner.afd_connector
+        connector.publish({0: capture_counts(desc.num_tokens, connector.placement.dp_size)},
+                          is_warmup=warmup, is_graph_capturing=not warmup)
 
 
 def bind_cudagraph_manager(runner: Any) -> type[AFDModelCudaGraphManager]:

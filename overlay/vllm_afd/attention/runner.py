@@ -26,8 +26,8 @@ class AFDAttentionModelRunner(AFDAttentionRunnerMixin, GPUModelRunner):
 
     afd_publishes_per_step = True
 
-    def __init__(self, vllm_config: Any, device: Any):
-        super().__init__(vllm_config, device)
+    def __init__(self, vllm_config: Any, device: Any, afd_config: Any, placement: Any):
+        super().__init__(vllm_config, device, afd_config, placement)
         self._afd_cudagraph_manager_cls = bind_cudagraph_manager(self)
 
     @property
@@ -37,7 +37,7 @@ class AFDAttentionModelRunner(AFDAttentionRunnerMixin, GPUModelRunner):
     def before_model_forward(self, batch_desc: Any, input_batch: Any, dp_sync: Any,
                              ubatch_state: Any) -> None:
         super().before_model_forward(batch_desc, input_batch, dp_sync, ubatch_state)
-        self.afd_connector.control_plane.send_dp_metadata(
+        self.afd_connector.publish(
             {0: self._afd_step_counts(batch_desc, dp_sync)},
             is_graph_replaying=batch_desc.cg_mode == CUDAGraphMode.FULL,
             is_profile=self._afd_in_profile,
@@ -46,10 +46,11 @@ class AFDAttentionModelRunner(AFDAttentionRunnerMixin, GPUModelRunner):
     def _afd_step_counts(self, batch_desc: Any, dp_sync: Any) -> list[int]:
         """Rows per attention DP rank for this step, as every rank will send them."""
         return step_counts(
-            self.vllm_config.parallel_config.data_parallel_size, self.afd_dp_rank,
+            self.vllm_config.parallel_config.data_parallel_size,
+            self.vllm_config.parallel_config.data_parallel_rank,
             batch_desc.num_tokens,
             None if dp_sync is None else dp_sync.num_tokens_across_dp.tolist())
 
     def _afd_context_runs_model(self, context: ForwardContext) -> bool:
-        # KV-connector and other side contexts carry no batch descriptor (AFD_SPEC §5.4).
+        # KV-connector and other side contexts carry no batch descriptor.
         return context.batch_descriptor is not None

@@ -12,17 +12,16 @@ from typing import Any, Callable
 
 import torch
 
-
-def graph_key(dp_metadata_list: dict[int, Any]) -> tuple:
-    """((stage_idx, (count, ...)), ...) over sorted stages."""
-    return tuple(
-        (stage_idx, tuple(int(n) for n in dp_metadata_list[stage_idx].num_tokens_across_dp_cpu))
-        for stage_idx in sorted(dp_metadata_list)
-    )
+from vllm_afd.wire.messages import ControlPayload
 
 
-def run_mode(payload: Any, *, use_cuda_graph: bool, has_graph: bool) -> str:
-    """WARMUP, CAPTURE, REPLAY or EAGER for one payload (AFD_SPEC §6.5).
+def graph_key(payload: ControlPayload) -> tuple:
+    """((stage, (count per attention rank, ...)), ...) over the payload's sorted stages."""
+    return tuple((stage, tuple(counts)) for stage, counts in payload.counts.items())
+
+
+def run_mode(payload: ControlPayload, *, use_cuda_graph: bool, has_graph: bool) -> str:
+    """WARMUP, CAPTURE, REPLAY or EAGER for one payload (docs/design.md#ffn-run-modes).
 
     REPLAY needs all three: graphs on, the attention replaying, and a graph for the key; a
     key match alone would replay during an eager prefill of the same shape.
@@ -48,7 +47,7 @@ class FFNGraphCache:
         return key in self._graphs
 
     def capture(self, key: tuple, forward: Callable[[], Any]) -> None:
-        """Record `forward` (no connector state update inside) under `key`."""
+        """Record `forward` under `key` (the step state was adopted before, outside the capture)."""
         from vllm.distributed.parallel_state import graph_capture
 
         if self._pool is None:

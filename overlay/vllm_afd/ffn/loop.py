@@ -1,6 +1,6 @@
-"""The FFN daemon loop (AFD_SPEC §6.3–6.7): one iteration per attention step.
+"""The FFN loop: one iteration per attention step, on a daemon thread of the FFN worker.
 
-The loop runs on a daemon thread of the FFN worker process.  Its only unbounded wait is
+Its only unbounded wait is
 the next control payload (an idle attention is legal); the connector's watchdog turns a
 lost peer into an error there.  Any loop error is stored, logged, and takes the worker
 process down after a short grace, so the FFN engine dies within seconds instead of
@@ -18,7 +18,7 @@ from vllm.logger import init_logger
 
 logger = init_logger(__name__)
 
-THREAD_NAME = "afd-ffn-worker-loop"
+THREAD_NAME = "afd-ffn-loop"
 JOIN_TIMEOUT_S = 5.0
 # After a loop error the worker asks itself to stop (SIGTERM: vLLM's worker handler
 # shuts down in order), and exits hard if that has not happened after this grace.
@@ -46,7 +46,7 @@ class FFNLoop:
         try:
             self.runner.init_connector()
             while not self.stop_event.is_set():
-                payload = self.runner.recv_control_payload()
+                payload = self.runner.next_step()
                 if payload is None:  # connector closed by stop()
                     break
                 self.runner.run_step(payload)

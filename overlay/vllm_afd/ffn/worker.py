@@ -2,7 +2,7 @@
 
 vLLM 0.30's engine already serves attention-free models: when every worker reports an
 empty KV-cache spec it skips memory profiling and allocates no KV cache.  The FFN worker
-reports exactly that, does no warm-up, and starts its daemon loop in
+reports exactly that, does no warm-up, and starts the FFN loop in
 `compile_or_warm_up_model`, the last engine start-up call, so the engine reports ready
 without waiting for the attention role.  The scheduler stays idle: the FFN's API server
 vetoes generation requests (plugin.py).
@@ -40,7 +40,7 @@ class FFNWorkerMixin:
             )
 
     def compile_or_warm_up_model(self) -> CompilationTimes:
-        self.start_ffn_server_loop()
+        self.start_ffn_loop()
         return CompilationTimes(language_model=0.0, encoder=0.0)
 
     def execute_model(self, scheduler_output: Any) -> None:
@@ -52,14 +52,14 @@ class FFNWorkerMixin:
     def sample_tokens(self, grammar_output: Any) -> None:
         raise RuntimeError("FFN runners do not sample tokens")
 
-    def start_ffn_server_loop(self) -> None:
-        """Start the daemon loop once; a live loop only re-raises a stored error."""
+    def start_ffn_loop(self) -> None:
+        """Start the FFN loop once; a live loop only re-raises a stored error."""
         if self._ffn_loop is None:
             self._ffn_loop = FFNLoop(self.model_runner)
             self._ffn_loop.start()
         self._ffn_loop.raise_if_failed()
 
-    def stop_ffn_server_loop(self) -> None:
+    def stop_ffn_loop(self) -> None:
         loop, self._ffn_loop = self._ffn_loop, None
         if loop is not None:
             loop.stop()
@@ -70,6 +70,6 @@ class FFNWorkerMixin:
 
     def shutdown(self) -> None:
         try:
-            self.stop_ffn_server_loop()
+            self.stop_ffn_loop()
         finally:
             super().shutdown()

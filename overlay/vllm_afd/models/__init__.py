@@ -27,7 +27,7 @@ _registered = False
 def alias_for(architecture: str) -> str:
     """The AFD alias architecture of checkpoint `architecture` (an alias maps to itself).
 
-    Raises the worker-start error of AFD_SPEC §2.5 for an architecture AFD cannot split.
+    Raises the worker-start error (docs/models.md) for an architecture AFD cannot split.
     """
     if architecture in AFD_MODEL_ALIASES:
         return architecture

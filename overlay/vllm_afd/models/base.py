@@ -1,19 +1,30 @@
-"""What every AFD model alias shares: its role, its `mlp` slots, its loader and FFN entry points.
+"""What every AFD model alias shares: settings, `mlp` slots, the loader, the FFN entry points.
 
-An alias subclasses the native `ForCausalLM` and mixes `AFDCausalLMMixin` in front of it. Its
-`__init__` builds one role's half with native submodule classes and prefixes, parameter-free
-placeholders (vLLM's `PPMissingLayer`) elsewhere (AFD_SPEC §7.3); everything else, above all
-the decoder layers' `forward` and the weight loaders, stays native.
+An alias subclasses the native `…ForCausalLM` and mixes `AFDCausalLMMixin` in front of it. Its
+`__init__` reads the AFD settings once (`init_afd`) and runs the native constructor; the model
+seams of `patches/` (docs/hooks.md, "Model seams") let the alias and its body, layer and MoE-block
+subclasses choose, through class-valued properties, what the native constructors build: the
+native classes for what the role owns, parameter-free placeholders (`Absent`) or proxies for the
+rest (docs/models.md, "What each role builds"). Forward passes and weight loaders stay native.
+
+NOTE: the AFD subclasses store the settings before calling the native `__init__` (a plain
+attribute may be set before `nn.Module.__init__`), because the properties the native
+constructor reads depend on them; below the top-level model they arrive as a keyword argument
+bound with `functools.partial`, so the configuration is parsed once per model.
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
 import torch
 from torch import nn
+from vllm.model_executor.models.utils import PPMissingLayer, extract_layer_index
 
 from vllm_afd.config import require_afd_config
+from vllm_afd.models.proxy import RemoteFFNProxy
 from vllm_afd.models.split import filter_weights, moe_layer_indices, num_routed_experts
 
 if TYPE_CHECKING:
@@ -24,10 +35,19 @@ if TYPE_CHECKING:
 __all__ = [
     "AFDCausalLMMixin",
     "AFDSettings",
+    "Absent",
+    "ModuleFactory",
+    "RemoteDenseProxy",
+    "attention_only",
     "copy_packed_modules_mapping",
+    "dense_mlp_cls",
     "mlp_kind",
+    "moe_block_cls",
     "read_afd_settings",
 ]
+
+# What a `*_cls` property returns: a module class, or one with AFD arguments bound.
+ModuleFactory = Callable[..., nn.Module]
 
 
 class AFDSettings(NamedTuple):
@@ -52,20 +72,40 @@ def read_afd_settings(vllm_config: VllmConfig, caller: str) -> AFDSettings:
 
 
 def copy_packed_modules_mapping(native_cls: type) -> dict[str, list[str]]:
-    """An alias's own `packed_modules_mapping`, which its `__init__` may extend in place.
+    """An alias's own `packed_modules_mapping`, which the native `__init__` extends in place.
 
     Native `__init__`s add entries to their class's dict before building modules (quantisation
-    configs hold a reference to it); an alias does the same to a copy, never to the native dict.
+    configs hold a reference to it); under an alias they do so to this copy, never to the
+    native dict.
     """
     return {name: list(parts) for name, parts in native_cls.packed_modules_mapping.items()}
 
 
-def mlp_kind(role: str, gate_on_attention: bool, is_moe: bool) -> str:
-    """Which module a decoder layer's `mlp` slot holds on this role (AFD_SPEC §7.3).
+class Absent(PPMissingLayer):
+    """Parameter-free stand-in for a module the other role owns.
 
-    "proxy": `RemoteFFNProxy`; "moe_proxy": the model's MoE proxy (holding the router iff
+    Takes (and ignores) the native constructor's arguments, so a `*_cls` property can return
+    it in place of any native class. A `PPMissingLayer`, so native loaders skip it like a
+    module of another pipeline stage. `tie_weights` keeps a tied LM head absent too.
+    """
+
+    def tie_weights(self, embed_tokens: nn.Module) -> Absent:
+        return self
+
+
+class RemoteDenseProxy(RemoteFFNProxy):
+    """`RemoteFFNProxy` built from a native dense MLP's constructor arguments (`prefix` counts)."""
+
+    def __init__(self, *args: Any, prefix: str, **kwargs: Any) -> None:
+        super().__init__(extract_layer_index(prefix))
+
+
+def mlp_kind(role: str, gate_on_attention: bool, is_moe: bool) -> str:
+    """Which module a decoder layer's `mlp` slot holds on this role (docs/models.md).
+
+    "proxy": `RemoteDenseProxy`; "moe_proxy": the model's MoE proxy (holding the router iff
     the gate is on attention); "native": the native MLP or MoE block; "experts": the model's
-    MoE block without internal router; "placeholder": `PPMissingLayer`.
+    MoE block without internal router; "placeholder": `Absent`.
     """
     if role == "attention":
         if is_moe:
@@ -76,17 +116,40 @@ def mlp_kind(role: str, gate_on_attention: bool, is_moe: bool) -> str:
     return "placeholder" if gate_on_attention else "native"
 
 
+def attention_only(settings: AFDSettings, native_cls: type[nn.Module]) -> type[nn.Module]:
+    """`native_cls` on the attention role; `Absent` on the FFN role, which does not own it."""
+    return native_cls if settings.role == "attention" else Absent
+
+
+def dense_mlp_cls(settings: AFDSettings, native_cls: type[nn.Module]) -> type[nn.Module]:
+    """What a dense layer's `mlp` slot is built with on this role."""
+    kind = mlp_kind(settings.role, settings.gate_on_attention, is_moe=False)
+    return {"proxy": RemoteDenseProxy, "native": native_cls, "placeholder": Absent}[kind]
+
+
+def moe_block_cls(
+    settings: AFDSettings,
+    native_cls: type[nn.Module],
+    proxy_cls: type[nn.Module],
+    experts_cls: type[nn.Module],
+) -> ModuleFactory:
+    """What a MoE layer's `mlp` slot is built with on this role (a proxy learns the gate)."""
+    kind = mlp_kind(settings.role, settings.gate_on_attention, is_moe=True)
+    if kind == "moe_proxy":
+        return functools.partial(proxy_cls, gate_on_attention=settings.gate_on_attention)
+    return experts_cls if kind == "experts" else native_cls
+
+
 class AFDCausalLMMixin:
-    """Role bookkeeping, the filtered loader and the FFN compute interface (AFD_SPEC §7.5-7.6).
+    """Settings, the filtered loader and the FFN compute interface (docs/models.md).
 
     Put in front of the native `ForCausalLM` in the bases. The alias's `__init__` calls
-    `init_afd` first, then builds `self.model` (whose `layers[i].mlp` the FFN entry points
-    run), `init_lm_head` and `init_moe_bookkeeping`.
+    `init_afd` first, then the native `__init__` (which builds `self.model`, whose
+    `layers[i].mlp` the FFN entry points run), then `init_moe_bookkeeping`.
     """
 
     afd_architecture: ClassVar[str]  # checkpoint architecture this alias splits
-    afd_role: str
-    afd_gate_on_attention: bool
+    afd_settings: AFDSettings
     afd_moe_layers: tuple[int, ...]  # indices of the MoE layers
     afd_router_logits_dtype: torch.dtype  # dtype of the router's output
     config: Any  # the HF text config (native attribute)
@@ -94,37 +157,20 @@ class AFDCausalLMMixin:
 
     # ---- construction -------------------------------------------------------------
     def init_afd(self, vllm_config: VllmConfig) -> AFDSettings:
-        settings = read_afd_settings(vllm_config, type(self).__name__)
+        """Read the AFD settings, once per model; call before the native `__init__`."""
+        self.afd_settings = read_afd_settings(vllm_config, type(self).__name__)
         hf_config = vllm_config.model_config.hf_text_config
-        self.afd_role = settings.role
-        self.afd_gate_on_attention = settings.gate_on_attention
         self.afd_moe_layers = moe_layer_indices(hf_config, self.afd_architecture)
-        return settings
+        return self.afd_settings
 
-    def init_lm_head(self, vllm_config: VllmConfig, prefix: str, tie_word_embeddings: bool) -> None:
-        """`lm_head` and `logits_processor` as the native class builds them, on attention only."""
-        from vllm.model_executor.layers.logits_processor import LogitsProcessor
-        from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
-        from vllm.model_executor.models.utils import PPMissingLayer, maybe_prefix
-
-        config = vllm_config.model_config.hf_text_config
-        if self.afd_role == "attention":
-            self.lm_head = ParallelLMHead(
-                config.vocab_size,
-                config.hidden_size,
-                quant_config=vllm_config.quant_config,
-                prefix=maybe_prefix(prefix, "lm_head"),
-            )
-            if tie_word_embeddings:
-                self.lm_head = self.lm_head.tie_weights(self.model.embed_tokens)
-        else:
-            self.lm_head = PPMissingLayer()
-        self.logits_processor = LogitsProcessor(config.vocab_size)
+    @property
+    def lm_head_cls(self) -> type[nn.Module]:
+        return attention_only(self.afd_settings, super().lm_head_cls)  # type: ignore[misc]
 
     def init_moe_bookkeeping(
         self, block_cls: type[nn.Module], num_expert_groups: int, num_shared_experts: int
     ) -> list[nn.Module]:
-        """The `MixtureOfExperts` attributes native `__init__`s set, for the experts held here.
+        """The `MixtureOfExperts` attributes, recomputed for the experts held here.
 
         Only the FFN holds fused-MoE layers, so only there are `moe_layers` non-empty (the
         attention half is then no `MixtureOfExperts` model for vLLM's EPLB code, which AFD
@@ -135,11 +181,12 @@ class AFDCausalLMMixin:
         if not blocks:
             raise RuntimeError(
                 f"{type(self).__name__}: no {block_cls.__name__} in model.layers (role "
-                f"{self.afd_role!r}); expected one per MoE layer {self.afd_moe_layers}. "
+                f"{self.afd_settings.role!r}); expected one per MoE layer {self.afd_moe_layers}. "
                 "Check the checkpoint's MoE settings."
             )
         example = blocks[-1]
-        self.moe_layers = [block.experts for block in blocks] if self.afd_role == "ffn" else []
+        ffn = self.afd_settings.role == "ffn"
+        self.moe_layers = [block.experts for block in blocks] if ffn else []
         self.num_moe_layers = len(self.moe_layers)
         self.num_expert_groups = num_expert_groups
         self.num_shared_experts = num_shared_experts
@@ -152,31 +199,27 @@ class AFDCausalLMMixin:
 
     # ---- weights ----------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """The native loader, fed only the weights this role materialises (AFD_SPEC §7.6)."""
-        own = filter_weights(
-            weights, self.afd_role, self.config, self.afd_architecture, self.afd_gate_on_attention
-        )
+        """The native loader, fed only the weights this role materialises (docs/models.md)."""
+        role, gate_on_attention = self.afd_settings
+        own = filter_weights(weights, role, self.config, self.afd_architecture, gate_on_attention)
         return super().load_weights(own)  # type: ignore[misc]
 
-    # ---- FFN compute interface (AFD_SPEC §7.5) -----------------------------------------
+    # ---- FFN compute interface (docs/models.md) ----------------------------------------
     def get_experts_layer_indices(self) -> tuple[int, ...]:
         """The MoE layer indices: the layers that cross when the gate runs on attention."""
         return self.afd_moe_layers
 
     def get_experts_routing_spec(self, layer_idx: int) -> Any:
         """Width and dtype of the router logits MoE layer `layer_idx` receives."""
-        from vllm_afd.connectors.metadata import AFDExpertRoutingSpec
+        from vllm_afd.wire.messages import RoutingSpec
 
         self._check_layer("get_experts_routing_spec", layer_idx, want_moe=True, want_ffn=False)
-        return AFDExpertRoutingSpec(
-            router_logits_width=num_routed_experts(self.config),
-            router_logits_dtype=self.afd_router_logits_dtype,
-        )
+        return RoutingSpec(num_routed_experts(self.config), self.afd_router_logits_dtype)
 
     def compute_ffn_output(self, hidden_states: torch.Tensor, layer_idx: int) -> torch.Tensor:
         """The layer's full MLP/MoE output (router, experts, shared experts, scaling, TP reduce)."""
         is_moe = self._check_layer("compute_ffn_output", layer_idx, want_moe=None)
-        if self.afd_gate_on_attention:
+        if self.afd_settings.gate_on_attention:
             what = (
                 "Attention-side gate must call compute_experts_output"
                 if is_moe
@@ -194,7 +237,7 @@ class AFDCausalLMMixin:
         self, hidden_states: torch.Tensor, layer_idx: int, router_logits: torch.Tensor
     ) -> torch.Tensor:
         """A MoE layer's output for router logits computed on attention (gate on attention)."""
-        if not self.afd_gate_on_attention:
+        if not self.afd_settings.gate_on_attention:
             raise RuntimeError(
                 f"{type(self).__name__}.compute_experts_output(layer {layer_idx}): the FFN "
                 "runs the router (compute_gate_on_attention=false); call compute_ffn_output."
@@ -210,10 +253,10 @@ class AFDCausalLMMixin:
         self, caller: str, layer_idx: int, want_moe: bool | None, want_ffn: bool = True
     ) -> bool:
         where = f"{type(self).__name__}.{caller}"
-        if want_ffn and self.afd_role != "ffn":
+        if want_ffn and self.afd_settings.role != "ffn":
             raise RuntimeError(
-                f"{where}: this model was built for role {self.afd_role!r}; expected 'ffn'. "
-                "Only the FFN role computes MLP and MoE outputs."
+                f"{where}: this model was built for role {self.afd_settings.role!r}; expected "
+                "'ffn'. Only the FFN role computes MLP and MoE outputs."
             )
         num_layers = len(self.model.layers)
         if not 0 <= layer_idx < num_layers:
@@ -229,12 +272,3 @@ class AFDCausalLMMixin:
             )
         return is_moe
 
-
-def role_norm(config: Any, attention: bool) -> nn.Module:
-    """A native RMSNorm on the attention role; a parameter-free placeholder on the FFN."""
-    from vllm.model_executor.layers.layernorm import RMSNorm
-    from vllm.model_executor.models.utils import PPMissingLayer
-
-    if attention:
-        return RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-    return PPMissingLayer()

@@ -1,4 +1,4 @@
-"""Where AFD cuts a checkpoint: layer kinds and the owner of every weight (AFD_SPEC §7.2, §7.6).
+"""Where AFD cuts a checkpoint: layer kinds and the owner of every weight (docs/models.md).
 
 Pure Python over a Hugging Face config (no torch, no vLLM), so both roles, the handshake
 fingerprint and the unit tests derive the same answers from the same rules. The MoE rules
@@ -44,7 +44,7 @@ _FFN_CHILD = "mlp"
 
 
 def check_architecture(architecture: str) -> str:
-    """Return `architecture` if AFD splits it, else raise the worker-start error of §2.5."""
+    """Return `architecture` if AFD splits it, else raise the worker-start error."""
     if architecture not in _FAMILIES:
         raise ValueError(
             f"architecture {architecture} is not supported by AFD; supported: "
@@ -126,7 +126,7 @@ def _classify(
 
 
 def weight_role(name: str, hf_config: Any, architecture: str, gate_on_attention: bool) -> str:
-    """Who materialises checkpoint weight `name`: "attention", "ffn", "both" or "drop" (§7.6)."""
+    """Who materialises checkpoint weight `name`: "attention", "ffn", "both" or "drop"."""
     return _classify(
         name,
         hf_config.num_hidden_layers,

@@ -1,16 +1,17 @@
-"""What the AFD role workers share: start-up checks and the role runner's config.
+"""What the AFD role workers share: start-up checks, the placement and the role runner's config.
 
-A role worker differs from its native parent in two places only: `init_device` runs the
-AFD checks before any native resource exists, and `_make_model_runner` (patch
-`worker-add-make-model-runner`) builds the role's runner instead of the native one.
+A role worker differs from its native parent in two places only: `init_device` parses and
+checks the AFD config before any native resource exists (the one parse in the worker process),
+and `_make_model_runner` (patch `worker-add-make-model-runner`) builds the role's runner
+instead of the native one, handing it the parsed config and the rank's `Placement`.
 """
 
 from __future__ import annotations
 
 import copy
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from vllm_afd.config import AFDConfig, require_afd_config
+from vllm_afd.config import AFDConfig, ParsedAdditionalConfig, require_afd_config
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -18,7 +19,7 @@ if TYPE_CHECKING:
 
 def check_worker_start(vllm_config: VllmConfig, worker_name: str, role: str,
                        platform: str) -> AFDConfig:
-    """AFD_SPEC §2.5: config, worker stack and feature checks, before any resource."""
+    """Config, worker stack and feature checks, before any resource (docs/config.md#worker-start)."""
     from vllm_afd.validation import check_features, check_worker_stack
 
     afd = require_afd_config(vllm_config, worker_name, expected_role=role)
@@ -27,8 +28,9 @@ def check_worker_start(vllm_config: VllmConfig, worker_name: str, role: str,
     return afd
 
 
-def make_role_vllm_config(vllm_config: VllmConfig) -> VllmConfig:
-    """A config for the role runner whose model config names the AFD alias class.
+def make_role_vllm_config(vllm_config: VllmConfig, afd_config: AFDConfig) -> VllmConfig:
+    """A config for the role runner: the model config names the AFD alias class, and
+    `additional_config` carries the worker's parse down to the model (`afd_config_of`).
 
     NOTE: both copies are ours (a deep-copied model config inside a shallow `VllmConfig`
     copy that does not re-run validation), so nothing vLLM owns is modified; the deep
@@ -41,4 +43,13 @@ def make_role_vllm_config(vllm_config: VllmConfig) -> VllmConfig:
     model_config.hf_config.architectures = [alias_for(native)]
     role_config = copy.copy(vllm_config)
     role_config.model_config = model_config
+    role_config.additional_config = ParsedAdditionalConfig(vllm_config.additional_config, afd_config)
     return role_config
+
+
+def make_role_runner(runner_cls: type, vllm_config: VllmConfig, afd_config: AFDConfig, device: Any) -> Any:
+    """The role's runner: its config copy, the parsed config, and this rank's placement (built once)."""
+    from vllm_afd.connect import build_placement
+
+    placement = build_placement(vllm_config, afd_config)
+    return runner_cls(make_role_vllm_config(vllm_config, afd_config), device, afd_config, placement)

@@ -6,7 +6,7 @@ import torch
 from vllm.v1.worker.cpu_worker import CPUWorker
 
 from vllm_afd.ffn.worker import FFNWorkerMixin
-from vllm_afd.workers.common import check_worker_start, make_role_vllm_config
+from vllm_afd.workers.common import check_worker_start, make_role_runner
 
 
 class AFDCPUAttentionWorker(CPUWorker):
@@ -20,8 +20,7 @@ class AFDCPUAttentionWorker(CPUWorker):
     def _make_model_runner(self):
         from vllm_afd.attention.cpu_runner import AFDCPUAttentionModelRunner
 
-        return AFDCPUAttentionModelRunner(make_role_vllm_config(self.vllm_config),
-                                          torch.device("cpu"))
+        return make_role_runner(AFDCPUAttentionModelRunner, self.vllm_config, self.afd_config, torch.device("cpu"))
 
     def compile_or_warm_up_model(self):
         times = super().compile_or_warm_up_model()
@@ -30,7 +29,7 @@ class AFDCPUAttentionWorker(CPUWorker):
 
 
 class AFDCPUFFNWorker(FFNWorkerMixin, CPUWorker):
-    """Native CPU worker turned into a connector-driven FFN daemon host."""
+    """Native CPU worker turned into a connector-driven FFN loop host."""
 
     def init_device(self) -> None:
         self.afd_config = check_worker_start(self.vllm_config, type(self).__name__,
@@ -40,5 +39,4 @@ class AFDCPUFFNWorker(FFNWorkerMixin, CPUWorker):
     def _make_model_runner(self):
         from vllm_afd.ffn.runner import AFDFFNModelRunner
 
-        return AFDFFNModelRunner(make_role_vllm_config(self.vllm_config),
-                                 torch.device("cpu"))
+        return make_role_runner(AFDFFNModelRunner, self.vllm_config, self.afd_config, torch.device("cpu"))

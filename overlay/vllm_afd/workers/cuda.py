@@ -5,7 +5,7 @@ from __future__ import annotations
 from vllm.v1.worker.gpu_worker import Worker
 
 from vllm_afd.ffn.worker import FFNWorkerMixin
-from vllm_afd.workers.common import check_worker_start, make_role_vllm_config
+from vllm_afd.workers.common import check_worker_start, make_role_runner
 
 
 class AFDAttentionWorker(Worker):
@@ -23,7 +23,7 @@ class AFDAttentionWorker(Worker):
     def _make_model_runner(self):
         from vllm_afd.attention.runner import AFDAttentionModelRunner
 
-        return AFDAttentionModelRunner(make_role_vllm_config(self.vllm_config), self.device)
+        return make_role_runner(AFDAttentionModelRunner, self.vllm_config, self.afd_config, self.device)
 
     def compile_or_warm_up_model(self):
         times = super().compile_or_warm_up_model()
@@ -32,7 +32,7 @@ class AFDAttentionWorker(Worker):
 
 
 class AFDFFNWorker(FFNWorkerMixin, Worker):
-    """Native GPU worker turned into a connector-driven FFN daemon host."""
+    """Native GPU worker turned into a connector-driven FFN loop host."""
 
     def init_device(self) -> None:
         self.afd_config = check_worker_start(self.vllm_config, type(self).__name__,
@@ -42,4 +42,4 @@ class AFDFFNWorker(FFNWorkerMixin, Worker):
     def _make_model_runner(self):
         from vllm_afd.ffn.runner import AFDFFNModelRunner
 
-        return AFDFFNModelRunner(make_role_vllm_config(self.vllm_config), self.device)
+        return make_role_runner(AFDFFNModelRunner, self.vllm_config, self.afd_config, self.device)

@@ -1,0 +1,134 @@
+"""From vLLM's configuration to a connector: the one place the wire package meets vLLM.
+
+The role worker calls ``build_placement`` once (after vLLM's distributed state exists) and
+passes the placement with its parsed ``AFDConfig`` to the runner, which calls ``build_connector``.
+Here ``VllmConfig`` becomes the rank's ``Fingerprint`` and the plain ``ConnectorSpec``, so the
+sizes a connector exchanges are the sizes its rank published and compared in the handshake.
+
+``TRANSPORTS`` is the connector registry: a connector name (the config's ``connector`` key) maps
+to a factory of its transport. A new transport is a file in ``wire/transports/`` plus an entry
+here and in ``config.CONNECTORS``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from vllm_afd.config import AFDConfig
+from vllm_afd.wire.connector import AFDConnector, ConnectorSpec
+from vllm_afd.wire.handshake import Fingerprint
+from vllm_afd.wire.placement import Placement
+from vllm_afd.wire.transport import Transport
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+__all__ = ["TRANSPORTS", "build_connector", "build_fingerprint", "build_placement", "native_architecture"]
+
+
+def _gloo(device: torch.device) -> Transport:
+    from vllm_afd.wire.transports.gloo import GlooTransport
+
+    return GlooTransport(device)
+
+
+def _nccl(device: torch.device) -> Transport:
+    from vllm_afd.wire.transports.nccl import NcclTransport
+
+    return NcclTransport(device, _pynccl_communicator)
+
+
+def _pynccl_communicator(store: Any, rank: int, size: int, device: torch.device) -> Any:
+    """vLLM's ``PyNcclCommunicator`` over a stateless group on ``store`` (never torch's default group)."""
+    from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
+    from vllm.distributed.utils import StatelessProcessGroup
+
+    return PyNcclCommunicator(StatelessProcessGroup(rank=rank, world_size=size, store=store), device=device)
+
+
+# Connector name -> transport factory (the device the rank's tensors live on).
+TRANSPORTS: dict[str, Callable[[torch.device], Transport]] = {
+    "P2pGlooAFDConnector": _gloo,
+    "P2pNcclAFDConnector": _nccl,
+}
+
+
+def build_placement(vllm_config: VllmConfig, afd_config: AFDConfig) -> Placement:
+    """This worker's placement from vLLM's global DP rank and TP rank (after ``init_device``)."""
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+    parallel_config = vllm_config.parallel_config
+    return Placement.for_rank(
+        afd_config.role,
+        afd_config.num_attention_ranks,
+        afd_config.num_ffn_ranks,
+        dp_rank=parallel_config.data_parallel_rank,
+        tp_rank=get_tensor_model_parallel_rank(),
+        dp_size=parallel_config.data_parallel_size,
+        tp_size=parallel_config.tensor_parallel_size,
+    )
+
+
+def native_architecture(architecture: str) -> str:
+    """The checkpoint's architecture: the role configs name the AFD alias (``AFD<arch>``)."""
+    from vllm_afd.models import AFD_MODEL_ALIASES
+
+    if architecture in AFD_MODEL_ALIASES:
+        return architecture.removeprefix("AFD")
+    return architecture
+
+
+def build_fingerprint(vllm_config: VllmConfig, afd_config: AFDConfig, placement: Placement) -> Fingerprint:
+    """This rank's fingerprint; pure computation on the configs (no communication)."""
+    import vllm
+
+    from vllm_afd import __version__ as overlay_version
+    from vllm_afd.models.split import layer_kinds, num_routed_experts
+    from vllm_afd.validation import graph_mode
+
+    model_config = vllm_config.model_config
+    text_config = model_config.hf_text_config
+    architecture = native_architecture(model_config.hf_config.architectures[0])
+    return Fingerprint.for_rank(
+        placement,
+        connector=afd_config.connector,
+        compute_gate_on_attention=afd_config.compute_gate_on_attention,
+        overlay_version=overlay_version,
+        vllm_version=vllm.__version__,
+        architecture=architecture,
+        hidden_size=int(text_config.hidden_size),
+        num_hidden_layers=int(text_config.num_hidden_layers),
+        dtype=str(model_config.dtype).removeprefix("torch."),
+        layer_kinds=layer_kinds(text_config, architecture),
+        num_routed_experts=num_routed_experts(text_config),
+        graph_mode=graph_mode(vllm_config),
+        device=str(vllm_config.device_config.device_type),
+    )
+
+
+def build_connector(
+    vllm_config: VllmConfig, afd_config: AFDConfig, placement: Placement, device: torch.device
+) -> AFDConnector:
+    """The configured connector for this rank, constructed without communication."""
+    fingerprint = build_fingerprint(vllm_config, afd_config, placement)
+    gate_on_attention = afd_config.compute_gate_on_attention
+    spec = ConnectorSpec(
+        name=afd_config.connector,
+        hidden_size=fingerprint.hidden_size,
+        dtype=vllm_config.model_config.dtype,
+        device=device,
+        host=afd_config.host,
+        port=afd_config.port,
+        rendezvous_timeout_s=afd_config.rendezvous_timeout_s,
+        step_timeout_s=afd_config.step_timeout_s,
+        peer_timeout_s=afd_config.peer_timeout_s,
+        exchanges_per_stage=(
+            fingerprint.layer_kinds.count("M") if gate_on_attention else fingerprint.num_hidden_layers
+        ),
+        router_logits_width=fingerprint.num_routed_experts if gate_on_attention else None,
+        use_graph_buffers=fingerprint.graph_mode != "eager",
+    )
+    return AFDConnector(spec, placement, TRANSPORTS[afd_config.connector](device), fingerprint)

@@ -1,1 +1,0 @@
-"""AFD connectors: the transport between attention and FFN ranks, and the messages they carry."""

@@ -1,0 +1,406 @@
+"""``AFDConnector``: one rank's end of the AFD wire, over any ``Transport``.
+
+It owns everything the transports share: rendezvous and handshake, the step state each control
+payload sets, the row checks that run before any byte is sent, the positional exchange order
+(layer-major, stage-minor; hidden states then router logits on ``a2f``, the FFN output on
+``f2a``), the control payload's length+bytes framing, the watchdog and the sticky failure. A
+transport only moves tensors (transport.py). Exchanges are positional, without tags
+(docs/design.md#exchange-order):
+
+  attention (per layer, per stage)        FFN (per layer, per stage)
+    send_a2f(stage, hidden[, logits])       recv_a2f(stage) from every peer, in subgroup order
+    recv_f2a(stage, out)                    send_f2a(stage, output) split by the peers' rows
+
+Control plane: the attention calls ``publish`` once per step (attention ranks < F transmit, the
+others only adopt); the FFN calls ``next_step``, which receives and adopts the payload — the
+only place its step state changes.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from vllm_afd.wire.errors import AFDPeerLostError, AFDProtocolError
+from vllm_afd.wire.handshake import Fingerprint
+from vllm_afd.wire.messages import A2FBatch, ControlPayload, RoutingSpec
+from vllm_afd.wire.placement import A2F, CONTROL, F2A, Placement
+from vllm_afd.wire.rendezvous import Rendezvous, RendezvousSpec
+from vllm_afd.wire.steps import StepState
+from vllm_afd.wire.transport import Transport
+from vllm_afd.wire.watchdog import STARTUP_DONE_KEY, FailureLatch, Watchdog, WatchdogSpec, terminate_process
+
+__all__ = ["AFDConnector", "ConnectorSpec"]
+
+# A control body longer than this is garbage, not a payload (a real one is well under 1 KiB per stage).
+MAX_CONTROL_BYTES = 1 << 20
+# How long close() waits in total (watchdog thread, then the transport letting go), and for the watchdog.
+CLOSE_JOIN_S = 5.0
+WATCHDOG_JOIN_S = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectorSpec:
+    """What the connector exchanges and its bounds; plain values (vllm_afd/connect.py builds it)."""
+
+    # Registered connector name, used in messages.
+    name: str
+    # Width and dtype of every exchanged row, and the device tensors live on.
+    hidden_size: int
+    dtype: torch.dtype
+    device: torch.device
+    # Store address (FFN rank 0) and the three bounds of docs/config.md.
+    host: str
+    port: int
+    rendezvous_timeout_s: float
+    step_timeout_s: float
+    peer_timeout_s: float
+    # Exchanges per stage of one step: the crossing layers (MoE layers only with the gate on attention).
+    exchanges_per_stage: int
+    # Router-logit width the attention sends with the gate on attention; None when it sends none.
+    router_logits_width: int | None = None
+    # FFN: persistent receive buffers keyed by (stage, peer, shape), for CUDA-graph replay.
+    use_graph_buffers: bool = False
+
+
+class AFDConnector:
+    """One rank's side of the AFD wire; see the module docstring."""
+
+    def __init__(
+        self,
+        spec: ConnectorSpec,
+        placement: Placement,
+        transport: Transport,
+        fingerprint: Fingerprint,
+        *,
+        terminate: Callable[[BaseException], None] | None = terminate_process,
+    ) -> None:
+        self.spec = spec
+        self.placement = placement
+        self.transport = transport
+        self.fingerprint = fingerprint
+        self.steps = StepState(placement, spec.exchanges_per_stage, spec.name)
+        self.fingerprints: dict[tuple[str, int], Fingerprint] = {}
+        self._latch = FailureLatch(transport.abort, terminate)
+        self._lock = threading.Lock()
+        self._initialized = False
+        self._initializing = False
+        self._closed = False
+        self._store: Any = None
+        self._watchdog: Watchdog | None = None
+        self._startup_flagged = False
+        self._routing: set[RoutingSpec] = set()
+        self._buffers: dict[tuple[Any, ...], torch.Tensor] = {}
+
+    # ---- lifecycle ------------------------------------------------------------------------------
+
+    @property
+    def is_initialized(self) -> bool:
+        return self._initialized and not self._closed and self._latch.failure is None
+
+    def init(self) -> None:
+        """Rendezvous, handshake, watchdog, channels; idempotent. A failure releases what was taken.
+
+        ``close()`` from another thread cancels a running init (the rendezvous polls for it) and never
+        waits for it: the lock only guards the state flags.
+        """
+        s, p = self.spec, self.placement
+        with self._lock:
+            if self._initialized:
+                return
+            if self._closed:
+                raise RuntimeError(
+                    f"{s.name}: init() after close(); expected a fresh connector. A store serves one AFD "
+                    "run: restart both roles"
+                )
+            if self._initializing:
+                raise RuntimeError(f"{s.name}: init() is already running on another thread; call it once")
+            self._initializing = True
+        rendezvous = Rendezvous(
+            RendezvousSpec(p, s.host, s.port, s.rendezvous_timeout_s), cancelled=lambda: self._closed
+        )
+        try:
+            self._store = rendezvous.connect()
+            # NOTE: the watchdog's own connection is opened before the fingerprints are published: a new
+            # TCPStore connection can stall for seconds, and a stall here delays every rank alike
+            # instead of making this rank look silent to peers that already heartbeat.
+            watchdog_store = rendezvous.connect_client()
+            rendezvous.claim()
+            self.fingerprints = rendezvous.exchange_fingerprints(self.fingerprint)
+            self._watchdog = Watchdog(
+                watchdog_store, WatchdogSpec(p, s.peer_timeout_s, s.step_timeout_s, f"{s.host}:{s.port}"),
+                self._latch,
+            )
+            self._watchdog.start()
+            try:
+                self.transport.open(self._store, p, max(rendezvous.remaining_s(), 0.1))
+            except RuntimeError as exc:
+                if rendezvous.remaining_s() < 0.5:  # group creation ran into the deadline
+                    raise rendezvous.timeout_error("creating the data and control channels") from exc
+                raise
+            self._latch.check()  # a peer lost while the channels were built
+            with self._lock:
+                if self._closed:
+                    raise RuntimeError(f"{s.name}: close() was called during init()")
+                self._initialized = True
+        except BaseException:
+            self._latch.close()  # the caller gets this exception: no termination fallback
+            self._release()
+            raise
+        finally:
+            self._initializing = False
+
+    def close(self) -> None:
+        """Idempotent; safe uninitialised, during and after a partial init; bounded by CLOSE_JOIN_S."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._latch.close()
+        self._release()
+
+    def _release(self) -> None:
+        started = time.monotonic()
+        watchdog, self._watchdog = self._watchdog, None
+        if watchdog is not None:
+            watchdog.stop(WATCHDOG_JOIN_S)
+        closer = threading.Thread(target=self.transport.close, name="afd-close", daemon=True)
+        closer.start()
+        closer.join(max(0.0, CLOSE_JOIN_S - (time.monotonic() - started)))
+        # NOTE: dropping the last reference stops FFN rank 0's store server; peers notice at once.
+        self._store = None
+
+    def check_failed(self) -> None:
+        """Raise the sticky failure (lost peer, step timeout, transport error), if any."""
+        self._latch.check()
+
+    @property
+    def failure(self) -> BaseException | None:
+        return self._latch.failure
+
+    def mark_startup_done(self) -> None:
+        """Attention: profile, warm-up and capture are over; once all A ranks said so, steps are timed."""
+        self._require_ready("mark_startup_done")
+        if self.placement.role == "attention" and not self._startup_flagged:
+            self._startup_flagged = True
+            self._store.add(STARTUP_DONE_KEY, 1)
+
+    # ---- control plane --------------------------------------------------------------------------
+
+    def publish(self, counts_dp: Mapping[int, Sequence[int]], **flags: bool) -> ControlPayload:
+        """Attention: open the step with each stage's tokens per attention DP rank; ranks < F transmit it."""
+        self._require_ready("publish", "attention")
+        payload = self.steps.new_payload(counts_dp, **flags)
+        self._adopt(payload)
+        p = self.placement
+        if p.control_rank is not None:
+            body = payload.encode()
+            device = self.transport.control_device
+            length = torch.tensor([len(body)], dtype=torch.int64).to(device)
+            data = torch.frombuffer(bytearray(body), dtype=torch.uint8).to(device)
+            dst = p.role_rank  # control group ranks are AFD ranks: FFN k is k
+            self._call("control send to ffn rank", p.role_rank, self.transport.send, CONTROL, length, dst)
+            self._call("control send to ffn rank", p.role_rank, self.transport.send, CONTROL, data, dst)
+        return payload
+
+    def next_step(self) -> ControlPayload:
+        """FFN: block for the next step's payload and adopt it (an idle attention is legal: untimed)."""
+        self._require_ready("next_step", "ffn")
+        p = self.placement
+        device = self.transport.control_device
+        src = p.num_ffn_ranks + p.role_rank  # attention rank k's AFD rank
+        length = torch.empty(1, dtype=torch.int64, device=device)
+        label = "control receive from attention rank"
+        self._call(label, p.role_rank, self.transport.recv, CONTROL, length, src, timed=False)
+        num_bytes = int(length.item())
+        self._require_ready("next_step")  # an abort may have left garbage behind
+        if not 0 < num_bytes <= MAX_CONTROL_BYTES:
+            raise AFDProtocolError(
+                f"{self.spec.name}: control payload length {num_bytes} from attention rank {p.role_rank} is "
+                f"not in 1..{MAX_CONTROL_BYTES}; expected the int64 byte length of "
+                "docs/design.md#control-payload. Run the same vllm_afd version on both roles"
+            )
+        data = torch.empty(num_bytes, dtype=torch.uint8, device=device)
+        self._call(label, p.role_rank, self.transport.recv, CONTROL, data, src, timed=False)
+        payload = ControlPayload.decode(data.cpu().numpy().tobytes())
+        self._adopt(payload)
+        return payload
+
+    def _adopt(self, payload: ControlPayload) -> None:
+        self.steps.adopt(payload)
+        if self.spec.use_graph_buffers and self.placement.role == "ffn":
+            self._preallocate_buffers()
+        watchdog = self._watchdog
+        if watchdog is not None:
+            # NOTE: a FULL-graph replay runs its exchanges inside the graph: no step to count or time.
+            watchdog.step_closed() if payload.is_graph_replaying else watchdog.step_opened(payload.step_seq)
+
+    # ---- data plane: attention ------------------------------------------------------------------
+
+    def send_a2f(self, stage: int, hidden: torch.Tensor, router_logits: torch.Tensor | None = None) -> None:
+        """Send this rank's rows of one (layer, stage) to its FFN rank: hidden states, then router logits."""
+        self._require_ready("send_a2f", "attention")
+        s, p = self.spec, self.placement
+        own_rows = self.steps.stage(stage).own_rows
+        self._check_tensor(hidden, "hidden states", s.hidden_size, s.dtype)
+        if hidden.shape[0] != own_rows:
+            raise ValueError(
+                f"{s.name}: {p.label} sends {hidden.shape[0]} rows in stage {stage} but published "
+                f"{own_rows}; publish the padded, >= 1 row count this rank sends"
+            )
+        if router_logits is not None:
+            if s.router_logits_width is None:
+                raise ValueError(
+                    f"{s.name}: router logits given with compute_gate_on_attention=false; expected hidden "
+                    "states only. Only MoE layers under compute_gate_on_attention=true send them"
+                )
+            self._check_tensor(router_logits, "router logits", s.router_logits_width, None)
+            if router_logits.shape[0] != hidden.shape[0]:
+                raise ValueError(
+                    f"{s.name}: router logits have {router_logits.shape[0]} rows, hidden states "
+                    f"{hidden.shape[0]}; pass this layer's logits"
+                )
+        label = "a2f send to ffn rank"
+        self._call(label, p.subgroup, self.transport.send, A2F, hidden.contiguous(), 0)
+        if router_logits is not None:
+            self._call(label, p.subgroup, self.transport.send, A2F, router_logits.contiguous(), 0)
+
+    def recv_f2a(self, stage: int, out: torch.Tensor) -> torch.Tensor:
+        """Receive the FFN output of one (layer, stage) into ``out`` when it fits, else a new tensor."""
+        self._require_ready("recv_f2a", "attention")
+        s = self.spec
+        own_rows = self.steps.stage(stage).own_rows
+        if out.shape[0] != own_rows:
+            raise ValueError(
+                f"{s.name}: receive into {out.shape[0]} rows in stage {stage}; expected the published "
+                f"{own_rows}. Pass the tensor just sent"
+            )
+        shape = (own_rows, s.hidden_size)
+        fits = (tuple(out.shape) == shape and out.dtype == s.dtype and out.device == s.device
+                and out.is_contiguous())
+        target = out if fits else torch.empty(shape, dtype=s.dtype, device=s.device)
+        self._call("f2a receive from ffn rank", self.placement.subgroup, self.transport.recv, F2A, target, 0)
+        self._count_exchange()
+        return target
+
+    # ---- data plane: FFN ------------------------------------------------------------------------
+
+    def recv_a2f(self, stage: int, routing: RoutingSpec | None = None) -> A2FBatch:
+        """Receive one (layer, stage) from every attention peer in subgroup order, concatenated."""
+        self._require_ready("recv_a2f", "ffn")
+        s, p = self.spec, self.placement
+        peer_rows = self.steps.stage(stage).peer_rows
+        if routing is not None:
+            self._routing.add(routing)
+        hidden_parts, logit_parts = [], []
+        for group_rank, (peer, num_rows) in enumerate(zip(p.attention_peers, peer_rows), start=1):
+            label = "a2f receive from attention rank"
+            hidden = self._recv_buffer(stage, group_rank, num_rows, s.hidden_size, s.dtype)
+            self._call(label, peer, self.transport.recv, A2F, hidden, group_rank)
+            hidden_parts.append(hidden)
+            if routing is not None:
+                logits = self._recv_buffer(stage, group_rank, num_rows, routing.width, routing.dtype)
+                self._call(label, peer, self.transport.recv, A2F, logits, group_rank)
+                logit_parts.append(logits)
+        return A2FBatch(_concat(hidden_parts), _concat(logit_parts) if logit_parts else None, peer_rows)
+
+    def send_f2a(self, stage: int, output: torch.Tensor) -> None:
+        """Send each attention peer its rows of ``output`` (``[sum(peer_rows), hidden]``)."""
+        self._require_ready("send_f2a", "ffn")
+        s, p = self.spec, self.placement
+        peer_rows = self.steps.stage(stage).peer_rows
+        self._check_tensor(output, "FFN output", s.hidden_size, s.dtype)
+        if output.shape[0] != sum(peer_rows):
+            raise ValueError(
+                f"{s.name}: FFN output has {output.shape[0]} rows in stage {stage}; expected "
+                f"{sum(peer_rows)} (peers' rows {list(peer_rows)}). Pass the rows recv_a2f returned"
+            )
+        parts = output.split(list(peer_rows))
+        for group_rank, (peer, part) in enumerate(zip(p.attention_peers, parts), start=1):
+            self._call("f2a send to attention rank", peer, self.transport.send, F2A, part.contiguous(), group_rank)
+        self._count_exchange()
+
+    # ---- helpers --------------------------------------------------------------------------------
+
+    def _require_ready(self, what: str, role: str | None = None) -> None:
+        self._latch.check()
+        s, p = self.spec, self.placement
+        if not self._initialized or self._closed:
+            state = "closed" if self._closed else "not initialized"
+            raise RuntimeError(
+                f"{s.name}.{what}: the AFD connector is {state}; expected an initialised connector. "
+                "Call init() first (a closed connector cannot be reused)"
+            )
+        if role is not None and p.role != role:
+            raise RuntimeError(f"{s.name}.{what} is a {role}-side call, but this is {p.label}")
+
+    def _count_exchange(self) -> None:
+        if self.steps.count_exchange() and self._watchdog is not None:
+            self._watchdog.step_closed()
+
+    def _call(self, label: str, peer: int, method: Callable[..., None], *args: Any, timed: bool = True) -> None:
+        """One transport call; a transport error becomes the sticky AFDPeerLostError naming the peer."""
+        watchdog = self._watchdog
+        if timed and watchdog is not None:
+            watchdog.transfer_started()
+        try:
+            method(*args)
+        except RuntimeError as exc:
+            raise self._transport_failure(exc, f"{label} {peer}") from exc
+        finally:
+            if timed and watchdog is not None:
+                watchdog.transfer_finished()
+
+    def _transport_failure(self, exc: RuntimeError, what: str) -> BaseException:
+        if self._closed:
+            return RuntimeError(f"{self.spec.name}: {what} interrupted by close() ({exc})")
+        lost = AFDPeerLostError(
+            f"AFD peer lost: {what} failed on {self.placement.label} ({exc}); the peer process died or "
+            "closed its connections. Check the other role's log, then restart both roles"
+        )
+        return self._latch.fail(lost, observed=True)
+
+    def _check_tensor(self, tensor: torch.Tensor, what: str, width: int | None, dtype: torch.dtype | None) -> None:
+        s = self.spec
+        problems = []
+        if tensor.dim() != 2:
+            problems.append(f"rank {tensor.dim()}, expected 2-D [rows, {width or 'width'}]")
+        elif width is not None and tensor.shape[1] != width:
+            problems.append(f"width {tensor.shape[1]}, expected {width}")
+        if tensor.device != s.device:
+            problems.append(f"device {tensor.device}, expected {s.device}")
+        if dtype is not None and tensor.dtype != dtype:
+            problems.append(f"dtype {tensor.dtype}, expected {dtype}")
+        if problems:
+            raise ValueError(
+                f"{s.name}: {what} of shape {list(tensor.shape)} cannot be sent: {'; '.join(problems)}. "
+                "Pass the model's [rows, hidden] tensor on the connector's device"
+            )
+
+    def _preallocate_buffers(self) -> None:
+        """FFN with graph buffers: every receive buffer the adopted stages need, before any capture."""
+        s = self.spec
+        for stage, state in self.steps.stages.items():
+            for group_rank, num_rows in enumerate(state.peer_rows, start=1):
+                self._recv_buffer(stage, group_rank, num_rows, s.hidden_size, s.dtype)
+                for routing in self._routing:
+                    self._recv_buffer(stage, group_rank, num_rows, routing.width, routing.dtype)
+
+    def _recv_buffer(self, stage: int, group_rank: int, num_rows: int, width: int, dtype: torch.dtype) -> torch.Tensor:
+        s = self.spec
+        if not s.use_graph_buffers:
+            return torch.empty((num_rows, width), dtype=dtype, device=s.device)
+        key = (stage, group_rank, num_rows, width, dtype)
+        buffer = self._buffers.get(key)
+        if buffer is None:  # never evicted: a replayed graph finds the address it recorded
+            buffer = self._buffers[key] = torch.empty((num_rows, width), dtype=dtype, device=s.device)
+        return buffer
+
+
+def _concat(parts: list[torch.Tensor]) -> torch.Tensor:
+    return parts[0] if len(parts) == 1 else torch.cat(parts)

@@ -1,0 +1,256 @@
+"""Config-agreement handshake: what each rank publishes and how ranks compare (docs/design.md#handshake).
+
+Every rank publishes a ``Fingerprint`` to the rendezvous store and compares it with every other rank's
+before any data channel exists, so two processes launched with different models or AFD settings fail
+at start-up with both values named, instead of exchanging mis-shaped tensors (a hang under NCCL).
+Pure Python: the runtime fills the model facts in; nothing here touches torch, vLLM or a socket.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import socket
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from vllm_afd.wire.errors import AFDConfigMismatchError, AFDProtocolError
+from vllm_afd.wire.placement import Placement
+from vllm_afd.wire.topology import check_layout
+
+__all__ = [
+    "GLOBAL_FIELDS",
+    "IDENTITY_FIELDS",
+    "PROTOCOL_VERSION",
+    "ROLE_FIELDS",
+    "Fingerprint",
+    "compare_fingerprints",
+    "layer_kinds_string",
+]
+
+# Bumped on any change of what crosses the wire (payload codec, exchange order, fingerprint fields).
+# 2: the control payload carries one row count per attention rank (was: per attention DP rank).
+PROTOCOL_VERSION = 2
+
+# Compared across all ranks, in report order.
+GLOBAL_FIELDS = (
+    "protocol_version",
+    "overlay_version",
+    "vllm_version",
+    "architecture",
+    "hidden_size",
+    "num_hidden_layers",
+    "dtype",
+    "layer_kinds",
+    "num_routed_experts",
+    "connector",
+    "num_attention_ranks",
+    "num_ffn_ranks",
+    "compute_gate_on_attention",
+    "graph_mode",
+)
+# Compared only within one role; across roles the layout rule applies instead.
+ROLE_FIELDS = ("dp_size", "tp_size")
+# Logged and used in messages only.
+IDENTITY_FIELDS = ("role", "role_rank", "hostname", "pid", "device")
+
+ROLES = ("attention", "ffn")
+_FIX = "Launch both roles with the same model, dtype and AFD settings."
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Fingerprint:
+    """What one rank asserts about itself; equal ``GLOBAL_FIELDS`` on all ranks is required."""
+
+    # Wire protocol version (PROTOCOL_VERSION of the publishing overlay).
+    protocol_version: int
+    # vllm_afd.__version__ of the publishing process.
+    overlay_version: str
+    # vllm.__version__ of the publishing process.
+    vllm_version: str
+    # The checkpoint's architecture, e.g. "Qwen3MoeForCausalLM" (not the AFD alias).
+    architecture: str
+    # Hidden size of hf_text_config; the width of every exchanged row.
+    hidden_size: int
+    # Decoder layers of the model.
+    num_hidden_layers: int
+    # Resolved model dtype, e.g. "bfloat16".
+    dtype: str
+    # One char per layer: "D" dense MLP, "M" MoE (catches mlp_only_layers / first_k_dense_replace drift).
+    layer_kinds: str
+    # Routed experts per MoE layer (router-logit width).
+    num_routed_experts: int
+    # AFD connector class name.
+    connector: str
+    # A: attention DP x TP.
+    num_attention_ranks: int
+    # F: FFN DP x TP.
+    num_ffn_ranks: int
+    # Gate placement: router on the attention side when True.
+    compute_gate_on_attention: bool
+    # "eager" or "FULL_DECODE_ONLY".
+    graph_mode: str
+    # DP size of the publishing role.
+    dp_size: int
+    # TP size of the publishing role.
+    tp_size: int
+    # Role of the publishing rank.
+    role: str
+    # Index of the publishing rank inside its role.
+    role_rank: int
+    # Host name of the publishing process (messages only).
+    hostname: str
+    # Process id of the publishing process (messages only).
+    pid: int
+    # Device of the publishing rank, e.g. "cuda:0" or "cpu" (messages only).
+    device: str
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            expected = {"int": int, "str": str, "bool": bool}[str(f.type)]
+            if type(value) is not expected:
+                raise TypeError(
+                    f"AFD fingerprint: {f.name} must be {expected.__name__}, got {value!r}"
+                )
+        if self.role not in ROLES:
+            raise ValueError(f"AFD fingerprint: role must be one of {ROLES}, got {self.role!r}")
+        if len(self.layer_kinds) != self.num_hidden_layers or set(self.layer_kinds) - {"D", "M"}:
+            raise ValueError(
+                f"AFD fingerprint: layer_kinds {self.layer_kinds!r} must have one 'D' or 'M' per layer "
+                f"(num_hidden_layers={self.num_hidden_layers})"
+            )
+
+    @property
+    def label(self) -> str:
+        """``"<role> rank <role_rank>"``, as messages name a rank."""
+        return f"{self.role} rank {self.role_rank}"
+
+    @classmethod
+    def for_rank(
+        cls,
+        placement: Placement,
+        *,
+        connector: str,
+        compute_gate_on_attention: bool,
+        hostname: str | None = None,
+        pid: int | None = None,
+        **model_facts: Any,
+    ) -> Fingerprint:
+        """The fingerprint of the rank at ``placement``, identity filled from this process.
+
+        ``model_facts``: overlay_version, vllm_version, architecture, hidden_size, num_hidden_layers,
+        dtype, layer_kinds, num_routed_experts, graph_mode, device.
+        """
+        return cls(
+            protocol_version=PROTOCOL_VERSION,
+            connector=connector,
+            num_attention_ranks=placement.num_attention_ranks,
+            num_ffn_ranks=placement.num_ffn_ranks,
+            compute_gate_on_attention=compute_gate_on_attention,
+            role=placement.role,
+            role_rank=placement.role_rank,
+            dp_size=placement.dp_size,
+            tp_size=placement.tp_size,
+            hostname=socket.gethostname() if hostname is None else hostname,
+            pid=os.getpid() if pid is None else pid,
+            **model_facts,
+        )
+
+    def to_json(self) -> str:
+        """Compact, sorted-key JSON for the rendezvous store."""
+        return json.dumps(dataclasses.asdict(self), sort_keys=True, separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> Fingerprint:
+        """Inverse of ``to_json``; a body of another protocol version is a mismatch, not garbage."""
+        try:
+            body = json.loads(text)
+        except (TypeError, ValueError, RecursionError) as exc:
+            raise AFDProtocolError(
+                f"AFD fingerprint is not JSON ({exc}); expected Fingerprint.to_json() output. Run the "
+                "same vllm_afd version on every rank"
+            ) from exc
+        if not isinstance(body, dict):
+            raise AFDProtocolError(f"AFD fingerprint is {type(body).__name__}, not a JSON object")
+        names = [f.name for f in dataclasses.fields(cls)]
+        try:
+            return cls(**{name: body[name] for name in names})
+        except (KeyError, TypeError, ValueError) as exc:
+            version = body.get("protocol_version")
+            peer = f"{body.get('role')} rank {body.get('role_rank')}"
+            if version != PROTOCOL_VERSION:
+                raise AFDConfigMismatchError(
+                    f"AFD configuration mismatch between this rank and {peer}: protocol_version "
+                    f"(local={PROTOCOL_VERSION}, peer={version!r}). Run the same vllm_afd version on "
+                    "every rank"
+                ) from exc
+            raise AFDProtocolError(
+                f"AFD fingerprint of {peer} is malformed ({exc!r}); expected Fingerprint.to_json() "
+                "output. Run the same vllm_afd version on every rank"
+            ) from exc
+
+
+def layer_kinds_string(is_moe_per_layer: Iterable[bool]) -> str:
+    """``layer_kinds`` from per-layer MoE flags, e.g. [False, True, True] -> "DMM"."""
+    return "".join("M" if is_moe else "D" for is_moe in is_moe_per_layer)
+
+
+def _rank_order(fingerprint: Fingerprint) -> tuple[int, int]:
+    # FFN-first, as AFD ranks are ordered.
+    return (0 if fingerprint.role == "ffn" else 1, fingerprint.role_rank)
+
+
+def _differences(a: Fingerprint, b: Fingerprint, names: Sequence[str]) -> list[tuple[str, Any, Any]]:
+    values = [(name, getattr(a, name), getattr(b, name)) for name in names]
+    return [(name, value_a, value_b) for name, value_a, value_b in values if value_a != value_b]
+
+
+def _mismatch_message(pairs: list[tuple[Fingerprint, Fingerprint, list[tuple[str, Any, Any]]]]) -> str:
+    first, second, differences = pairs[0]
+    same_role = first.role == second.role
+    name_a, name_b = (first.label, second.label) if same_role else (first.role, second.role)
+    fields = "; ".join(f"{name} ({name_a}={a}, {name_b}={b})" for name, a, b in differences)
+    message = f"AFD configuration mismatch between {first.label} and {second.label}: {fields}."
+    if len(pairs) > 1:
+        others = ", ".join(sorted({pair[1].label for pair in pairs[1:]} - {second.label}))
+        if others:
+            message += f" Also differing: {others}."
+    ranks = "; ".join(
+        f"{fp.label} on {fp.hostname} (pid {fp.pid}, device {fp.device})" for fp in (first, second)
+    )
+    return f"{message} {_FIX} ({ranks})"
+
+
+def compare_fingerprints(local: Fingerprint, others: Iterable[Fingerprint]) -> None:
+    """Raise ``AFDConfigMismatchError`` on any disagreement, then check the layout rule (docs/design.md#layout-rule).
+
+    Every rank sees the same set of fingerprints, so comparing all global fields against ``local`` and
+    role fields against the lowest rank of each role makes every rank raise on any disagreement.
+    """
+    everyone = sorted({id(fp): fp for fp in (local, *others)}.values(), key=_rank_order)
+    pairs = []
+    for role in ROLES:
+        members = [fp for fp in everyone if fp.role == role]
+        same_role = local.role == role
+        for peer in members:
+            differences = _differences(local, peer, GLOBAL_FIELDS + (ROLE_FIELDS if same_role else ()))
+            if differences:
+                pairs.append((local, peer, differences))
+            elif not same_role and _differences(members[0], peer, ROLE_FIELDS):
+                pairs.append((members[0], peer, _differences(members[0], peer, ROLE_FIELDS)))
+    if pairs:
+        raise AFDConfigMismatchError(_mismatch_message(pairs))
+    attention = next((fp for fp in everyone if fp.role == "attention"), None)
+    ffn = next((fp for fp in everyone if fp.role == "ffn"), None)
+    if attention is not None and ffn is not None:
+        check_layout(
+            attention.dp_size,
+            attention.tp_size,
+            ffn.dp_size,
+            ffn.tp_size,
+            local.num_attention_ranks,
+            local.num_ffn_ranks,
+        )

@@ -1,0 +1,165 @@
+"""What crosses between the roles besides raw tensors: the control payload, and the FFN's received batch.
+
+The control payload's wire codec is plain JSON over Python ints and never pickle: an FFN must not
+execute what a peer sends. Importable without torch: tensor-valued fields are typed ``Any``.
+"""
+
+from __future__ import annotations
+
+import json
+import operator
+from collections.abc import Mapping, Sequence
+from dataclasses import KW_ONLY, dataclass, field
+from typing import Any
+
+from vllm_afd.wire.errors import AFDProtocolError
+
+__all__ = ["A2FBatch", "ControlPayload", "PAYLOAD_FLAGS", "RoutingSpec"]
+
+# Step flags of the control payload; a decoder treats a missing flag as false.
+PAYLOAD_FLAGS = ("is_graph_capturing", "is_warmup", "is_graph_replaying", "is_profile")
+
+
+def _count(value: Any, what: str) -> int:
+    """A non-negative integer from any integral value (int, numpy int, 0-d tensor); never a bool."""
+    if isinstance(value, bool):
+        raise TypeError(f"{what}: row counts must be integers, got {value!r}")
+    try:
+        count = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{what}: row counts must be integers, got {value!r}") from None
+    if count < 0:
+        raise ValueError(f"{what}: row counts must be >= 0, got {count}")
+    return count
+
+
+@dataclass(frozen=True, slots=True)
+class ControlPayload:
+    """One attention step as the FFN needs it: per-stage row counts plus the step's flags.
+
+    ``counts[stage][j]`` is the number of tokens attention rank j runs in that stage, as published
+    (padded for graphs and DP; 0 = idle, and an idle rank still sends one row: ``topology.rows``).
+    """
+
+    # stage -> [A] tokens per attention rank (attention TP peers repeat their DP rank's count).
+    counts: Mapping[int, tuple[int, ...]] = field(hash=False)
+    _: KW_ONLY
+    # The attention records this forward into a CUDA graph (nothing executes).
+    is_graph_capturing: bool = False
+    # Warm-up forward right before a capture; executes with real traffic.
+    is_warmup: bool = False
+    # FULL CUDA-graph replay on the attention: its exchanges run inside the graph.
+    is_graph_replaying: bool = False
+    # vLLM's memory-profile forward.
+    is_profile: bool = False
+    # Per-sender step counter for logs and timeout messages; None when unknown.
+    step_seq: int | None = None
+
+    def __post_init__(self) -> None:
+        stages: dict[int, tuple[int, ...]] = {}
+        for stage, counts in self.counts.items():
+            stage = _count(stage, "AFD control payload stage")
+            stages[stage] = tuple(_count(n, f"AFD control payload stage {stage}") for n in counts)
+            if not stages[stage]:
+                raise ValueError(
+                    f"AFD control payload: stage {stage} has no counts; expected one per attention rank"
+                )
+        if not stages:
+            raise ValueError("AFD control payload: no stages; expected at least stage 0")
+        object.__setattr__(self, "counts", dict(sorted(stages.items())))
+        for flag in PAYLOAD_FLAGS:
+            if not isinstance(getattr(self, flag), bool):
+                raise TypeError(f"AFD control payload: {flag} must be a bool, got {getattr(self, flag)!r}")
+        if self.step_seq is not None:
+            object.__setattr__(self, "step_seq", _count(self.step_seq, "AFD control payload step_seq"))
+
+    @property
+    def stages(self) -> tuple[int, ...]:
+        """Stage indices in ascending order."""
+        return tuple(self.counts)
+
+    def encode(self) -> bytes:
+        """Compact, sorted-key UTF-8 JSON; stage keys as decimal strings; no pickle."""
+        body: dict[str, Any] = {
+            "counts": {str(stage): list(counts) for stage, counts in self.counts.items()},
+            **{flag: getattr(self, flag) for flag in PAYLOAD_FLAGS},
+        }
+        if self.step_seq is not None:
+            body["step_seq"] = self.step_seq
+        return json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False).encode("utf-8")
+
+    @classmethod
+    def decode(cls, data: bytes | bytearray | memoryview) -> ControlPayload:
+        """Inverse of ``encode``; missing flags are false, unknown keys ignored.
+
+        Raises ``AFDProtocolError`` for anything that is not such a body.
+        """
+        try:
+            body = json.loads(bytes(data).decode("utf-8"))
+        except (TypeError, ValueError, RecursionError) as exc:  # JSON and UTF-8 errors are ValueErrors
+            raise _undecodable(data, f"not UTF-8 JSON: {exc}") from exc
+        if not isinstance(body, dict):
+            raise _undecodable(data, f"top level is {type(body).__name__}, not an object")
+        raw_stages = body.get("counts")
+        if not isinstance(raw_stages, dict) or not raw_stages:
+            raise _undecodable(data, "'counts' missing, empty or not an object")
+        stages = {_decode_stage(data, key): _decode_counts(data, key, value) for key, value in raw_stages.items()}
+        flags = {}
+        for flag in PAYLOAD_FLAGS:
+            value = body.get(flag, False)
+            if not isinstance(value, bool):
+                raise _undecodable(data, f"flag {flag!r} is {value!r}, not a boolean")
+            flags[flag] = value
+        step_seq = body.get("step_seq")
+        if step_seq is not None and (type(step_seq) is not int or step_seq < 0):
+            raise _undecodable(data, f"'step_seq' is {step_seq!r}, not a non-negative integer")
+        return cls(stages, **flags, step_seq=step_seq)
+
+
+def _undecodable(data: Any, reason: str) -> AFDProtocolError:
+    head = bytes(data[:64]) if isinstance(data, (bytes, bytearray, memoryview)) else data
+    return AFDProtocolError(
+        f"AFD control payload is undecodable ({reason}; first bytes {head!r}); expected the compact JSON "
+        "body of docs/design.md#control-payload. Run the same vllm_afd version on both roles"
+    )
+
+
+def _decode_stage(data: Any, key: str) -> int:
+    if not (key.isascii() and key.isdigit() and str(int(key)) == key):
+        raise _undecodable(data, f"stage key {key!r} is not a decimal integer")
+    return int(key)
+
+
+def _decode_counts(data: Any, key: str, value: Any) -> tuple[int, ...]:
+    if not (isinstance(value, list) and value and all(type(n) is int and n >= 0 for n in value)):
+        raise _undecodable(data, f"stage {key}: counts are not a non-empty list of non-negative integers")
+    return tuple(value)
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingSpec:
+    """Width and dtype of a MoE layer's router logits; sizes their receives and graph buffers."""
+
+    # Number of router-logit columns (routed experts).
+    width: int
+    # torch.dtype of the router's output.
+    dtype: Any
+
+    def __post_init__(self) -> None:
+        if _count(self.width, "AFD routing spec") <= 0:
+            raise ValueError(
+                f"AFD routing spec: width must be positive, got {self.width}; pass the model's number of "
+                "routed experts"
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class A2FBatch:
+    """What the FFN received for one (layer, stage): every peer's rows, concatenated in subgroup order."""
+
+    # torch.Tensor [sum(peer_rows), hidden_size].
+    hidden_states: Any
+    # torch.Tensor [sum(peer_rows), num_routed_experts] when the gate runs on attention, else None.
+    router_logits: Any
+    # [num_peers] rows from each attention peer, in subgroup order.
+    peer_rows: Sequence[int]

@@ -1,0 +1,277 @@
+"""Rendezvous of all F + A ranks at one TCP store hosted by FFN rank 0 (docs/design.md#rendezvous).
+
+Steps, all bounded by one deadline (``rendezvous_timeout_s``): FFN rank 0 listens, the others connect
+with retry; every rank claims its ``(role, role_rank)`` atomically; every rank publishes its
+fingerprint, waits for all others and compares. Groups built later are key prefixes of this store
+(no derived ports), so FFN ranks may span hosts. torch is imported lazily: the config and the
+factory import the connectors package in processes without torch.
+"""
+
+from __future__ import annotations
+
+import datetime
+import socket
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from vllm_afd.wire.errors import AFDPeerLostError, AFDRendezvousTimeout
+from vllm_afd.wire.handshake import Fingerprint, compare_fingerprints
+from vllm_afd.wire.placement import Placement
+
+__all__ = [
+    "KEY_PREFIX",
+    "Rendezvous",
+    "RendezvousSpec",
+    "rank_key",
+    "store_lost_error",
+]
+
+KEY_PREFIX = "afd"
+# Poll period while waiting for other ranks' keys; short against a start-up of seconds.
+POLL_INTERVAL_S = 0.02
+# Per-attempt bound of a TCP connect to FFN rank 0 while it is not listening yet.
+CONNECT_ATTEMPT_S = 1.0
+
+
+def rank_key(kind: str, role: str, role_rank: int) -> str:
+    """Store key of one rank's record of ``kind`` (claim, fingerprint, heartbeat)."""
+    return f"{KEY_PREFIX}/{kind}/{role}/{role_rank}"
+
+
+@dataclass(frozen=True, slots=True)
+class RendezvousSpec:
+    """Who this rank is and where the store lives."""
+
+    # This rank's role, rank, A and F.
+    placement: Placement
+    # Address and port of FFN rank 0's store.
+    host: str
+    port: int
+    # Bound on rendezvous, handshake and channel creation, in seconds.
+    timeout_s: float
+
+    @property
+    def role(self) -> str:
+        return self.placement.role
+
+    @property
+    def role_rank(self) -> int:
+        return self.placement.role_rank
+
+    @property
+    def is_store_host(self) -> bool:
+        """FFN rank 0 hosts the store."""
+        return self.placement.afd_rank == 0
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    @property
+    def identity(self) -> str:
+        return f"role={self.role}, role_rank={self.role_rank}"
+
+    def all_ranks(self) -> list[tuple[str, int]]:
+        """Every (role, role_rank), FFN first (AFD rank order)."""
+        return [("ffn", k) for k in range(self.placement.num_ffn_ranks)] + [
+            ("attention", j) for j in range(self.placement.num_attention_ranks)
+        ]
+
+
+def store_lost_error(address: str, role: str, role_rank: int, exc: BaseException) -> AFDPeerLostError:
+    """The store's host (FFN rank 0) is gone: every rank that talks through the store lost a peer."""
+    return AFDPeerLostError(
+        f"AFD peer lost: the rendezvous store at {address} (hosted by ffn rank 0) is unreachable from "
+        f"{role} rank {role_rank} ({exc}); expected FFN rank 0 to stay up for the whole AFD run. Check "
+        "FFN rank 0's log, then restart both roles"
+    )
+
+
+class Rendezvous:
+    """One rank's rendezvous; ``store`` is set once connected and stays owned by the caller."""
+
+    def __init__(
+        self,
+        spec: RendezvousSpec,
+        clock: Callable[[], float] = time.monotonic,
+        cancelled: Callable[[], bool] = lambda: False,
+    ) -> None:
+        self.spec = spec
+        self._clock = clock
+        self._cancelled = cancelled
+        self.deadline = clock() + spec.timeout_s
+        self.store: Any = None
+
+    def remaining_s(self) -> float:
+        return max(0.0, self.deadline - self._clock())
+
+    # ---- steps ----------------------------------------------------------------------------------
+
+    def run(self, fingerprint: Fingerprint) -> dict[tuple[str, int], Fingerprint]:
+        """Connect, claim, exchange and compare fingerprints; returns every rank's fingerprint."""
+        self.connect()
+        self.claim()
+        return self.exchange_fingerprints(fingerprint)
+
+    def connect(self) -> Any:
+        """FFN rank 0 listens and hosts the store; every other rank connects, retrying until the deadline."""
+        self.store = self._host_store() if self.spec.is_store_host else self.connect_client()
+        return self.store
+
+    def claim(self) -> None:
+        """Claim ``(role, role_rank)`` atomically; a second claimant fails on both sides."""
+        count = self._store_call(lambda: self.store.add(self._own_key("claim"), 1))
+        if count > 1:
+            raise self._duplicate_error()
+
+    def exchange_fingerprints(self, fingerprint: Fingerprint) -> dict[tuple[str, int], Fingerprint]:
+        """Publish ours, wait for all F + A, compare (raises AFDConfigMismatchError / AFDLayoutError)."""
+        spec = self.spec
+        self._store_call(lambda: self.store.set(self._own_key("fingerprint"), fingerprint.to_json()))
+        ranks = spec.all_ranks()
+        keys = [rank_key("fingerprint", role, rank) for role, rank in ranks]
+        self.wait_for_keys(keys, "waiting for the other ranks' fingerprints")
+        values = self._store_call(lambda: self.store.multi_get(keys))
+        fingerprints = {rank: Fingerprint.from_json(value) for rank, value in zip(ranks, values)}
+        compare_fingerprints(fingerprint, fingerprints.values())
+        return fingerprints
+
+    def wait_for_keys(self, keys: list[str], stage: str) -> None:
+        """Poll until every key exists; our own claim is re-checked so a late duplicate fails us too."""
+        while True:
+            complete = self._store_call(lambda: self.store.check(keys))
+            if self._store_call(lambda: self.store.add(self._own_key("claim"), 0)) > 1:
+                raise self._duplicate_error()
+            if complete:
+                return
+            self._check_cancelled()
+            if self.remaining_s() <= 0.0:
+                raise self.timeout_error(stage)
+            time.sleep(POLL_INTERVAL_S)
+
+    # ---- errors ---------------------------------------------------------------------------------
+
+    def _check_cancelled(self) -> None:
+        if self._cancelled():
+            raise RuntimeError(
+                f"AFD rendezvous at {self.spec.address} ({self.spec.identity}) cancelled: the connector was "
+                "closed while waiting; expected no close() before init_afd_connector() returns"
+            )
+
+    def timeout_error(self, stage: str) -> AFDRendezvousTimeout:
+        """The §3.6 message: who joined, who is missing (from the claims in the store)."""
+        spec = self.spec
+        joined: dict[str, list[int]] = {role: [] for role in ("ffn", "attention")}
+        missing: dict[str, list[int]] = {role: [] for role in ("ffn", "attention")}
+        if self.store is None:
+            return self._unreachable_error(f"not connected while {stage}")
+        try:
+            for role, rank in spec.all_ranks():
+                present = self.store.check([rank_key("claim", role, rank)])
+                (joined if present else missing)[role].append(rank)
+        except RuntimeError as exc:  # the store itself went away: report what we know
+            return self._unreachable_error(f"lost while {stage}: {exc}")
+        missing_text = _format_ranks(missing, skip_empty=True) or f"none (stalled while {stage})"
+        return AFDRendezvousTimeout(
+            f"AFD rendezvous timed out after {spec.timeout_s:g}s at {spec.address} ({spec.identity}); "
+            f"joined: {_format_ranks(joined, skip_empty=False)}; missing: {missing_text}. Start the "
+            "other role with the same host/port/topology, or raise rendezvous_timeout_s"
+        )
+
+    def _unreachable_error(self, detail: str) -> AFDRendezvousTimeout:
+        spec = self.spec
+        return AFDRendezvousTimeout(
+            f"AFD rendezvous timed out after {spec.timeout_s:g}s at {spec.address} ({spec.identity}): "
+            f"cannot reach the AFD rendezvous store at {spec.address} (hosted by FFN rank 0) "
+            f"({detail}). Start the other role with the same host/port/topology, or raise "
+            "rendezvous_timeout_s"
+        )
+
+    def _duplicate_error(self) -> ValueError:
+        spec = self.spec
+        return ValueError(
+            f"AFD rank ({spec.identity}) joined twice; check DP/TP sizes and that only one deployment "
+            f"uses {spec.address}"
+        )
+
+    # ---- store plumbing -------------------------------------------------------------------------
+
+    def _own_key(self, kind: str) -> str:
+        return rank_key(kind, self.spec.role, self.spec.role_rank)
+
+    def _store_call(self, call: Callable[[], Any]) -> Any:
+        """Run one store operation; a broken connection means FFN rank 0 (the host) is gone."""
+        from torch.distributed import DistNetworkError
+
+        try:
+            return call()
+        except DistNetworkError as exc:
+            raise store_lost_error(self.spec.address, self.spec.role, self.spec.role_rank, exc) from exc
+
+    def _store_timeout(self) -> datetime.timedelta:
+        return datetime.timedelta(seconds=max(self.remaining_s(), 1.0))
+
+    def _host_store(self) -> Any:
+        from torch.distributed import TCPStore
+
+        spec = self.spec
+        try:
+            family, kind, proto, _, address = socket.getaddrinfo(spec.host, spec.port, type=socket.SOCK_STREAM)[0]
+            listener = socket.socket(family, kind, proto)
+            try:
+                listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                listener.bind(address)
+                listener.listen()
+            except OSError:
+                listener.close()
+                raise
+        except OSError as exc:
+            raise RuntimeError(
+                f"AFD FFN rank 0 cannot listen on {spec.address}: {exc}; 'port' must be free and 'host' "
+                "must be this machine's address"
+            ) from exc
+        # NOTE: we bind the socket ourselves so a busy port yields the OS error, not a store timeout.
+        return TCPStore(
+            spec.host,
+            spec.port,
+            is_master=True,
+            master_listen_fd=listener.detach(),
+            wait_for_workers=False,
+            use_libuv=False,
+            timeout=self._store_timeout(),
+        )
+
+    def connect_client(self) -> Any:
+        """A new client connection to the store (FFN rank 0 connects to itself), retrying until the deadline."""
+        from torch.distributed import TCPStore
+
+        spec = self.spec
+        last_error: BaseException | None = None
+        while True:
+            # NOTE: short attempts: TCPStore's connect retries internally for up to ~3x its timeout.
+            # (A plain-socket probe first would be quieter, but it can stall the store server for 5 s.)
+            attempt_s = min(CONNECT_ATTEMPT_S, max(self.remaining_s() / 3.0, 0.05))
+            try:
+                store = TCPStore(spec.host, spec.port, is_master=False, wait_for_workers=False,
+                                 timeout=datetime.timedelta(seconds=attempt_s))
+                store.set_timeout(self._store_timeout())
+                return store
+            except RuntimeError as exc:  # DistNetworkError: nobody listens (yet)
+                last_error = exc
+            self._check_cancelled()
+            if self.remaining_s() <= 0.0:
+                raise self._unreachable_error(f"last error: {last_error}")
+            time.sleep(min(0.1, self.remaining_s()))
+
+
+def _format_ranks(ranks: dict[str, Iterable[int]], *, skip_empty: bool) -> str:
+    """``{"ffn": [0], "attention": [0, 1]}`` -> ``"ffn [0], attention [0 1]"``."""
+    parts = []
+    for role in ("ffn", "attention"):
+        values = list(ranks.get(role, ()))
+        if values or not skip_empty:
+            parts.append(f"{role} [{' '.join(map(str, values))}]")
+    return ", ".join(parts)
+

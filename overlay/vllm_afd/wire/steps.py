@@ -1,0 +1,91 @@
+"""The step a control payload opens: rows per stage, the step number, and when the step ends.
+
+Every exchange of a step is sized by the payload that opened it, so the rows are derived once per
+payload, here, and the connector only looks them up. A step ends one way: after its last exchange
+(``exchanges_per_stage`` x stages); a graph replay runs its exchanges inside the graph and is not
+counted (docs/design.md#steps). Plain values only: no transport, no watchdog, no tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from vllm_afd.wire.errors import AFDProtocolError
+from vllm_afd.wire.messages import ControlPayload
+from vllm_afd.wire.placement import Placement
+from vllm_afd.wire.topology import expand_dp_counts, rows
+
+__all__ = ["Stage", "StepState"]
+
+
+@dataclass(frozen=True, slots=True)
+class Stage:
+    """What one stage of the adopted payload sets on this rank."""
+
+    # [A] published tokens per attention rank (before the >= 1 clamp).
+    counts: tuple[int, ...]
+    # Attention: rows this rank sends. FFN: rows it receives in total.
+    own_rows: int
+    # FFN: rows per attention peer in subgroup order; empty on attention ranks.
+    peer_rows: tuple[int, ...]
+
+
+class StepState:
+    """The control payload in force on one rank and what it sets; see the module docstring."""
+
+    def __init__(self, placement: Placement, exchanges_per_stage: int, connector_name: str) -> None:
+        self.placement = placement
+        self.exchanges_per_stage = exchanges_per_stage
+        self.connector_name = connector_name
+        self.payload: ControlPayload | None = None
+        self.stages: dict[int, Stage] = {}
+        self.num_exchanges = 0
+        self.next_step_seq = 0
+
+    def new_payload(self, counts_dp: Mapping[int, Sequence[int]], **flags: bool) -> ControlPayload:
+        """Attention: the next step's payload from each stage's tokens per attention DP rank."""
+        p = self.placement
+        counts = {}
+        for stage, per_dp in counts_dp.items():
+            if len(per_dp) != p.dp_size:
+                raise ValueError(
+                    f"{self.connector_name}: stage {stage} counts {list(per_dp)} have {len(per_dp)} entries; "
+                    f"expected one per attention DP rank ({p.dp_size}). Publish num_tokens_across_dp"
+                )
+            counts[stage] = tuple(expand_dp_counts(per_dp, p.tp_size))
+        payload = ControlPayload(counts, **flags, step_seq=self.next_step_seq)
+        self.next_step_seq += 1
+        return payload
+
+    def adopt(self, payload: ControlPayload) -> None:
+        """Derive every stage's rows from ``payload``; nothing changes when a count vector is wrong."""
+        p = self.placement
+        stages: dict[int, Stage] = {}
+        for stage, counts in payload.counts.items():
+            if len(counts) != p.num_attention_ranks:
+                raise AFDProtocolError(
+                    f"{self.connector_name}: control payload stage {stage} has {len(counts)} counts "
+                    f"{list(counts)}; expected one per attention rank ({p.num_attention_ranks}). Run the same "
+                    "vllm_afd version and num_attention_ranks on both roles"
+                )
+            if p.role == "attention":
+                stages[stage] = Stage(counts, rows(counts[p.role_rank]), ())
+            else:
+                peer_rows = tuple(rows(counts[j]) for j in p.attention_peers)
+                stages[stage] = Stage(counts, sum(peer_rows), peer_rows)
+        self.payload, self.stages, self.num_exchanges = payload, stages, 0
+
+    def stage(self, stage: int) -> Stage:
+        try:
+            return self.stages[stage]
+        except KeyError:
+            raise RuntimeError(
+                f"{self.connector_name}: no published rows for stage {stage} (stages {sorted(self.stages)}); "
+                "expected a control payload for this step before its first exchange"
+            ) from None
+
+    def count_exchange(self) -> bool:
+        """Count one finished exchange; true when it was the step's last."""
+        self.num_exchanges += 1
+        return self.num_exchanges == self.exchanges_per_stage * len(self.stages)

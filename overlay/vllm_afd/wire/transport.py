@@ -1,0 +1,53 @@
+"""The transport interface: what a backend implements so that ``AFDConnector`` can run over it.
+
+A transport moves whole contiguous tensors between group ranks of three channels (``a2f``,
+``f2a``, ``ctrl``; ``Placement.channels()`` says which groups a rank joins and in which order).
+Everything else — rendezvous, handshake, step state, row checks, exchange order, liveness — is the
+connector's, so a transport is one file: ``transports/gloo.py``, ``transports/nccl.py``.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+import torch
+
+from vllm_afd.wire.placement import Placement
+
+__all__ = ["Transport"]
+
+
+class Transport(ABC):
+    """Moves whole contiguous tensors on the three channels; ranks are group ranks.
+
+    Contract:
+      1. Construction takes no resources; ``open`` creates the groups of ``placement.channels()``
+         in that order on prefixes of the rendezvous store, bounded by ``timeout_s``.
+      2. ``send``/``recv`` move one tensor each, any dtype; ``recv`` fills the given tensor.
+      3. ``abort`` may run on any thread and makes pending transfers fail where the backend allows;
+         ``close`` releases everything, is idempotent and bounded.
+    """
+
+    # Where control tensors (length, body) live: CPU for gloo, the rank's GPU for NCCL.
+    control_device: torch.device
+
+    @abstractmethod
+    def open(self, store: Any, placement: Placement, timeout_s: float) -> None:
+        """Create a2f, then f2a, then the control group if ``placement.control_rank`` is set."""
+
+    @abstractmethod
+    def send(self, channel: str, tensor: torch.Tensor, dst: int) -> None:
+        """Send ``tensor`` to group rank ``dst``."""
+
+    @abstractmethod
+    def recv(self, channel: str, tensor: torch.Tensor, src: int) -> None:
+        """Fill ``tensor`` from group rank ``src``."""
+
+    @abstractmethod
+    def abort(self) -> None:
+        """Best effort, from any thread: make pending transfers fail where the backend allows."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release the channels; idempotent, bounded."""

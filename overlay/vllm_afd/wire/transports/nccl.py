@@ -1,0 +1,130 @@
+"""The NCCL transport (connector name ``P2pNcclAFDConnector``): one communicator per channel.
+
+One communicator per channel (a2f, f2a, ctrl), each over a group on a prefix of the AFD store and
+bound to the rank's GPU. The communicator is made by the caller's ``make_communicator``: the
+vLLM-facing layer passes vLLM's ``PyNcclCommunicator`` (vllm_afd/connect.py), so this package
+imports no vLLM. Sends and receives run on the caller's current
+stream, so they can be captured in CUDA graphs. NCCL refuses two ranks on one GPU, so the ranks'
+GPU UUIDs are compared through the store first and the refusal names the fix. ``abort()`` and
+``close()`` destroy the communicators (``ncclCommAbort`` on a daemon thread inside vLLM); after that
+vLLM's ``send``/``recv`` silently do nothing, which is why the protocol checks for failure before
+every transport call.
+"""
+
+from __future__ import annotations
+
+import datetime
+import socket
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from vllm_afd.wire.placement import Placement
+from vllm_afd.wire.transport import Transport
+
+__all__ = ["DUPLICATE_GPU_MESSAGE", "MakeCommunicator", "NcclTransport"]
+
+# (store with the channel's prefix, group rank, group size, device) -> a communicator with
+# ``send(tensor, dst)``, ``recv(tensor, src)``, ``destroy()`` and a ``disabled`` flag.
+MakeCommunicator = Callable[[Any, int, int, torch.device], Any]
+
+DUPLICATE_GPU_MESSAGE = (
+    "P2pNcclAFDConnector needs a distinct GPU per rank; use P2pGlooAFDConnector to run both roles on one GPU"
+)
+
+
+def gpu_identity(device: torch.device) -> str:
+    """``hostname/GPU-UUID`` of ``device``: equal for two ranks exactly when NCCL would refuse them."""
+    uuid = torch.cuda.get_device_properties(device).uuid
+    return f"{socket.gethostname()}/{uuid}"
+
+
+def find_shared_gpu(identities: dict[int, str], own: int) -> int | None:
+    """Another AFD rank of ``identities`` on the same GPU as ``own``, or None."""
+    return next((rank for rank, ident in sorted(identities.items()) if rank != own and ident == identities[own]), None)
+
+
+class NcclTransport(Transport):
+    """Three NCCL communicators on ``device``; every call runs on the current CUDA stream."""
+
+    def __init__(self, device: torch.device, make_communicator: MakeCommunicator) -> None:
+        if device.type != "cuda":
+            raise ValueError(
+                f"P2pNcclAFDConnector: device {device} is not a CUDA device; NCCL moves GPU memory. Use "
+                "P2pGlooAFDConnector on CPU"
+            )
+        self.device = device
+        self._make_communicator = make_communicator
+        self.control_device = device
+        self._comms: dict[str, Any] = {}
+
+    def open(self, store: Any, placement: Placement, timeout_s: float) -> None:
+        self._check_distinct_gpus(store, placement, timeout_s)  # before any NCCL call
+
+        from torch.distributed import PrefixStore
+
+        for name, prefix, rank, size in placement.channels():
+            try:
+                comm = self._make_communicator(PrefixStore(prefix, store), rank, size, self.device)
+            except RuntimeError as exc:
+                if "Duplicate GPU" in str(exc) or "invalid usage" in str(exc):
+                    raise RuntimeError(f"{DUPLICATE_GPU_MESSAGE} (NCCL: {exc})") from exc
+                raise
+            if comm.disabled:
+                raise RuntimeError(
+                    f"P2pNcclAFDConnector: vLLM's PyNcclCommunicator for the AFD {name} channel is disabled "
+                    "(VLLM_DISABLE_PYNCCL is set or the NCCL library failed to load); expected a working "
+                    "NCCL. Unset VLLM_DISABLE_PYNCCL, or use P2pGlooAFDConnector"
+                )
+            self._comms[name] = comm
+
+    def _check_distinct_gpus(self, store: Any, placement: Placement, timeout_s: float) -> None:
+        """Fail with the fix instead of NCCL's "invalid usage" when two group members share a GPU."""
+        members = set(placement.subgroup_members)
+        if placement.control_rank is not None:
+            members |= set(range(placement.control_size))
+        store.set(f"afd/gpu/{placement.afd_rank}", gpu_identity(self.device))
+        keys = {rank: f"afd/gpu/{rank}" for rank in sorted(members)}
+        store.wait(list(keys.values()), datetime.timedelta(seconds=timeout_s))
+        identities = {rank: store.get(key).decode() for rank, key in keys.items()}
+        other = find_shared_gpu(identities, placement.afd_rank)
+        if other is not None:
+            raise RuntimeError(
+                f"{DUPLICATE_GPU_MESSAGE} (AFD ranks {placement.afd_rank} and {other} are both on "
+                f"{identities[other]})"
+            )
+
+    def send(self, channel: str, tensor: torch.Tensor, dst: int) -> None:
+        self._require_gpu(tensor)
+        self._comm(channel).send(tensor, dst)
+
+    def recv(self, channel: str, tensor: torch.Tensor, src: int) -> None:
+        self._require_gpu(tensor)
+        self._comm(channel).recv(tensor, src)
+
+    def abort(self) -> None:
+        # NOTE: destroy() runs ncclCommAbort on its own daemon thread and joins it for at most 5 s.
+        for comm in list(self._comms.values()):
+            comm.destroy()
+
+    def close(self) -> None:
+        self.abort()
+        self._comms = {}
+
+    def _comm(self, channel: str) -> Any:
+        try:
+            return self._comms[channel]
+        except KeyError:
+            raise RuntimeError(
+                f"P2pNcclAFDConnector: the AFD {channel} communicator is missing (have {sorted(self._comms)}); "
+                "expected AFDConnector.init() to have created it. Only attention ranks < num_ffn_ranks "
+                "and FFN ranks join the control group"
+            ) from None
+
+    def _require_gpu(self, tensor: torch.Tensor) -> None:
+        if tensor.device != self.device:
+            raise ValueError(
+                f"P2P hidden states must be on GPU {self.device} for P2pNcclAFDConnector (got a tensor on "
+                f"{tensor.device}); move it to the rank's device, or use P2pGlooAFDConnector on CPU"
+            )
