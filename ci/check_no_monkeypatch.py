@@ -1,5 +1,7 @@
 #!/usr/bin/env python3
-"""AST gate: fail on any run-time patch of vLLM, torch or transformers (STYLE §2.4).
+"""AST gate: fail on any run-time patch of vLLM, torch or transformers.
+
+The rule and what the gate checks: docs/conventions.md#no-monkeypatching.
 
 Usage: python ci/check_no_monkeypatch.py overlay scripts [more dirs]
 

@@ -6,7 +6,7 @@ use to regenerate one:
     python scripts/apply_patches.py --make-patch --header HDR.txt \\
         --orig PRISTINE_DIR --new EDITED_DIR --out patches/NAME.patch vllm/a.py vllm/b.py
 
-HDR.txt holds the `Field: value` header (PATCH_TOOLING.md §2); the output is the header, a
+HDR.txt holds the `Field: value` header (docs/patch-tooling.md#patch-files); the output is the header, a
 `---` line and a git-style diff (blob ids computed here, 3 lines of context, files sorted).
 """
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""`apply_patches.py --lint`: static rules for patches/ (PATCH_TOOLING.md §6, exit 4).
+"""`apply_patches.py --lint`: static rules for patches/ (docs/patch-tooling.md#lint-rules, exit 4).
 
 Violations fail the lint; warnings (recommended header fields, context width) are printed
 but do not change the exit code.  Blank added lines directly after an END or before a START
@@ -177,7 +177,7 @@ def run_lint(patches_dir: Path, pin: dict[str, str], out) -> int:
         out.error(msg)
     if errors:
         out.error(f"FAILED: lint: {len(errors)} violations ({len(warnings)} warnings); "
-                  "fix them (PATCH_TOOLING.md §2, §6)")
+                  "fix them (docs/patch-tooling.md#patch-files, #lint-rules)")
         return 4
     num = len(_series.parse_series(patches_dir / "series"))
     out.info(f"OK: lint: {num} patches, no violations ({len(warnings)} warnings)")

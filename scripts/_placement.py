@@ -2,7 +2,7 @@
 
 unidiff only parses, so placement (exact -> offset -> reverse "already applied" -> fuzz as a
 diagnostic), byte-exact line endings, `\\ No newline at end of file`, file creation/deletion
-and the in-order series simulation are ours (PATCH_TOOLING.md §3).  Everything here works on
+and the in-order series simulation are ours (docs/patch-tooling.md#placement).  Everything here works on
 bytes and writes no file; callers decide what to do with a `SeriesResult`.
 """
 from __future__ import annotations

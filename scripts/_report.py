@@ -2,8 +2,8 @@
 
 Human lines go to stdout and errors to stderr (`Out`); one simulated series becomes the
 `Applying NAME (k/n): status` lines, the per-hunk lines and the "does not apply" errors, and
-its exit code (PATCH_TOOLING.md §6).  When several checks fail, `worst` keeps the most severe
-code (70 > 5 > 6 > 1 > 7 > 4 > 3 > 0).
+its exit code (docs/patch-tooling.md#modes-and-exit-codes).  When several checks fail, `worst`
+keeps the most severe code (70 > 5 > 6 > 1 > 7 > 4 > 3 > 0).
 """
 from __future__ import annotations
 

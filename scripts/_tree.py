@@ -73,7 +73,7 @@ def build_epoch(patches: list[_series.Patch]) -> int:
 
 def make_stamp(*, pin: dict[str, str], patches: list[_series.Patch], pristine: dict[str, bytes | None],
                patched: dict[str, bytes | None], upstream: dict, epoch: int, mode: str) -> bytes:
-    """Bytes of vllm/_afd_provenance.json (schema 1, PATCH_TOOLING.md §4).
+    """Bytes of vllm/_afd_provenance.json (schema 1, docs/patch-tooling.md#wheel-repack).
 
     `files` maps each patched path to its pre/post git blob ids and the post-image sha256
     (null when the series deletes the file); `patches` lists, in series order, each patch's

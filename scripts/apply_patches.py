@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Apply the AFD patch series to vLLM: build the patched wheel, check, apply in place, lint.
 
-Modes (PATCH_TOOLING.md §6; no mode = build):
+Modes (docs/patch-tooling.md#modes-and-exit-codes; no mode = build):
   apply_patches.py [--vllm ced6857] [--flavor cuda|cpu|all] [--out dist]   build dist/*.whl
   apply_patches.py --check [--strict] [--fuzz N] [--src DIR]               per-hunk report
   apply_patches.py --apply-to DIR|--installed [--reverse [--restore-from-wheel]] [--dry-run]

@@ -1,10 +1,11 @@
-"""Per-layer round trip through P2pGlooAFDConnector's protocol vs a raw gloo ping-pong (PERF.md C2).
+"""Per-layer round trip through AFDConnector over GlooTransport vs a raw gloo ping-pong (C2 of
+docs/conventions.md#measuring-performance).
 
 Two spawned processes (attention rank 0, FFN rank 0, 1A1F) measure, side by side in one run and in
 alternating blocks, for every batch size B:
   raw:       attention sends B x hidden bytes on a bare ProcessGroupGloo, the FFN sends them back;
-  connector: send_attn_output + recv_ffn_output against recv_attn_output + send_ffn_output (identity),
-             one control payload per step of ``--layers`` exchanges, as a model forward would do.
+  connector: send_a2f + recv_f2a against recv_a2f + send_f2a (identity), one control payload
+             (publish / next_step) per step of ``--layers`` exchanges, as a model forward would do.
 The ratio connector / raw (p50) is the connector's software overhead on top of gloo (target <= 1.5).
 
     python scripts/bench_gloo_roundtrip.py [--batch-sizes 1,64,256] [--hidden 2048] [--pin] [--device cuda]
@@ -41,27 +42,26 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def _make_protocol(role: str, port: int, hidden: int, dtype: Any, layers: int, device: str) -> Any:
+def _make_connector(role: str, port: int, hidden: int, dtype: Any, layers: int, device: str) -> Any:
     import torch
 
-    from vllm_afd.connectors.channels import P2pSettings
-    from vllm_afd.connectors.gloo import GlooTransport
-    from vllm_afd.connectors.protocol import P2pProtocol
-    from vllm_afd.handshake import PROTOCOL_VERSION, Fingerprint
+    from vllm_afd.wire.connector import AFDConnector, ConnectorSpec
+    from vllm_afd.wire.handshake import Fingerprint
+    from vllm_afd.wire.placement import Placement
+    from vllm_afd.wire.transports.gloo import GlooTransport
 
-    settings = P2pSettings(
-        role=role, role_rank=0, num_attention_ranks=1, num_ffn_ranks=1, hidden_size=hidden, dtype=dtype,
-        device=torch.device(device), host="127.0.0.1", port=port, rendezvous_timeout_s=60.0,
-        step_timeout_s=60.0, peer_timeout_s=10.0, exchanges_per_stage=layers, connector_name="bench",
+    spec = ConnectorSpec(
+        name="P2pGlooAFDConnector", hidden_size=hidden, dtype=dtype, device=torch.device(device), host="127.0.0.1",
+        port=port, rendezvous_timeout_s=60.0, step_timeout_s=60.0, peer_timeout_s=10.0, exchanges_per_stage=layers,
     )
-    fingerprint = Fingerprint(
-        protocol_version=PROTOCOL_VERSION, overlay_version="bench", vllm_version="bench", architecture="bench",
-        hidden_size=hidden, num_hidden_layers=layers, dtype=str(dtype).removeprefix("torch."), layer_kinds="M" * layers,
-        num_routed_experts=0, connector="P2pGlooAFDConnector", num_attention_ranks=1, num_ffn_ranks=1,
-        compute_gate_on_attention=False, graph_mode="eager", dp_size=1, tp_size=1, role=role, role_rank=0,
-        hostname=socket.gethostname(), pid=os.getpid(), device="cpu",
+    placement = Placement(role, 0, 1, 1)
+    fingerprint = Fingerprint.for_rank(
+        placement, connector=spec.name, compute_gate_on_attention=False, overlay_version="bench",
+        vllm_version="bench", architecture="bench", hidden_size=hidden, num_hidden_layers=layers,
+        dtype=str(dtype).removeprefix("torch."), layer_kinds="M" * layers, num_routed_experts=0,
+        graph_mode="eager", device=device,
     )
-    return P2pProtocol(settings, GlooTransport(settings.device), lambda: fingerprint, terminate=None)
+    return AFDConnector(spec, placement, GlooTransport(spec.device), fingerprint, terminate=None)
 
 
 def _raw_groups(role: str, port: int) -> tuple[Any, Any, Any]:
@@ -80,8 +80,6 @@ def _raw_groups(role: str, port: int) -> tuple[Any, Any, Any]:
 def _rank(role: str, args: argparse.Namespace, ports: tuple[int, int], results: Any) -> None:
     import torch
 
-    from vllm_afd.connectors.metadata import AFDTransferContext, AFDTransferMetadata
-
     if args.pin:
         os.sched_setaffinity(0, {0 if role == "attention" else 1})
     torch.set_num_threads(1)
@@ -89,8 +87,8 @@ def _rank(role: str, args: argparse.Namespace, ports: tuple[int, int], results: 
     wait = datetime.timedelta(days=1)
     _, raw_a2e, raw_e2a = _raw_groups(role, ports[0])
     device = "cuda:0" if args.device == "cuda" else "cpu"
-    protocol = _make_protocol(role, ports[1], args.hidden, dtype, args.layers, device)
-    protocol.init()
+    connector = _make_connector(role, ports[1], args.hidden, dtype, args.layers, device)
+    connector.init()
     table = []
     for batch in args.batch_sizes:
         host_hidden = torch.randn(batch, args.hidden).to(dtype)
@@ -112,22 +110,20 @@ def _rank(role: str, args: argparse.Namespace, ports: tuple[int, int], results: 
             num_steps = (args.warmup + args.iters) // args.layers
             for step in range(num_steps):  # the connector, one payload per step of `layers` exchanges
                 if role == "attention":
-                    protocol.send_dp_metadata({0: [batch]})
+                    connector.publish({0: [batch]})
                 else:
-                    protocol.update_state_from_dp_metadata(protocol.recv_dp_metadata_list())
+                    connector.next_step()
                 for layer in range(args.layers):
                     started = time.perf_counter()
                     if role == "attention":
-                        context = AFDTransferContext(AFDTransferMetadata.create_attention_metadata(layer, 0, batch))
-                        protocol.send_attn_output(hidden, context)
-                        protocol.recv_ffn_output(hidden)
+                        connector.send_a2f(0, hidden)
+                        connector.recv_f2a(0, hidden)
                     else:
-                        received = protocol.recv_attn_output(0)
-                        protocol.send_ffn_output(received.hidden_states, received.context)
+                        connector.send_f2a(0, connector.recv_a2f(0).hidden_states)
                     if step * args.layers + layer >= args.warmup:
                         conn_s.append(time.perf_counter() - started)
         table.append((batch, raw_s, conn_s))
-    protocol.close()
+    connector.close()
     if role == "attention":
         results.put(table)
 

@@ -1,10 +1,12 @@
 """AFD configuration: ``additional_config["afd"]`` parsed once into a frozen ``AFDConfig``.
 
-The only channel is vLLM's ``additional_config`` (AFD_SPEC.md §2.1): the presence of ``afd`` activates
-AFD, and a present config must validate, never silently deactivate. Parsing follows the fixed order
-of §2.4 and stops at the first failure, so a user sees the same message whatever else is wrong.
-This module imports neither torch nor vLLM: vLLM's plugin loader imports the overlay in every process,
-and every check here must finish before any socket, group or device memory is taken.
+The only channel is vLLM's ``additional_config`` (docs/config.md#activation-and-sources): the presence
+of ``afd`` activates AFD, and a present config must validate, never silently deactivate. Parsing
+follows the fixed order of docs/config.md#validation-order and stops at the first failure, so a user
+sees the same message whatever else is wrong. The role worker parses once per process and hands the
+result down (``ParsedAdditionalConfig``, ``afd_config_of``). This module imports neither torch nor
+vLLM: vLLM's plugin loader imports the overlay in every process, and every check here must finish
+before any socket, group or device memory is taken.
 """
 
 from __future__ import annotations
@@ -43,7 +45,8 @@ __all__ = [
 AFD_KEY = "afd"
 ROLES = ("attention", "ffn")
 CONNECTORS = ("P2pNcclAFDConnector", "P2pGlooAFDConnector")
-# Known names of the reference's Ascend connectors: rejected with their own message (§2.4 step 7).
+# Known names of the reference's Ascend connectors: rejected with their own message
+# (docs/config.md#validation-order, step 7).
 CAM_CONNECTORS = ("CAMP2pAFDConnector", "CAMAsyncAFDConnector")
 
 # Input alias (the reference's spelling) -> canonical key. Never both in one config.
@@ -68,7 +71,8 @@ RUNTIME_ONLY_FIELDS = {
     "extra_config": "connector options go under 'connector_extra_config'",
 }
 
-# Fields whose values change what the compiled model graph contains (hazard 3 of §9).
+# Fields whose values change what the compiled model graph contains
+# (docs/failures.md#3-torchcompile-guard-dropping).
 GRAPH_FIELDS = ("role", "connector", "num_attention_ranks", "num_ffn_ranks", "compute_gate_on_attention")
 
 _TRUE_WORDS = frozenset({"1", "true", "yes", "on"})
@@ -104,7 +108,7 @@ class _FrozenMapping(Mapping):
         (self._data,) = state
 
 
-# --- coercion (§2.3): every failure is a TypeError naming the field and the value -------------
+# --- coercion (docs/config.md#coercion): every failure is a TypeError naming the field and the value
 
 
 def _coerce_bool(name: str, value: Any) -> bool:
@@ -160,7 +164,7 @@ def _coerce_str(name: str, value: Any) -> str:
 
 
 def _coerce_host(name: str, value: Any) -> str:
-    # NOTE: stripped because the emptiness rule (§2.4 step 11) is "after strip" and a hostname with
+    # NOTE: stripped because the emptiness rule (validation step 11) is "after strip" and a hostname with
     # surrounding blanks can only be a typo.
     return _coerce_str(name, value).strip()
 
@@ -173,7 +177,8 @@ def _coerce_mapping(name: str, value: Any) -> Mapping[Any, Any]:
     return _FrozenMapping(value)
 
 
-# Coercion order = report order of §2.4 step 4 (canonical order, independent of the input's order).
+# Coercion order = report order of validation step 4 (docs/config.md#coercion: canonical order,
+# independent of the input's order).
 _COERCERS: dict[str, Callable[[str, Any], Any]] = {
     "role": _coerce_str,
     "connector": _coerce_str,
@@ -225,7 +230,7 @@ class AFDConfig:
 
     @classmethod
     def from_mapping(cls, raw: Any, expected_role: str | None = None) -> AFDConfig:
-        """Parse the value of ``additional_config["afd"]`` (§2.4 steps 2-12)."""
+        """Parse the value of ``additional_config["afd"]`` (docs/config.md#validation-order, 2-12)."""
         if not isinstance(raw, Mapping):
             raise TypeError(
                 f"AFD config must be a mapping, got {type(raw).__name__}; pass "
@@ -270,7 +275,8 @@ _INPUT_KEYS = frozenset(_COERCERS)
 
 
 def _canonical_items(raw: Mapping[Any, Any]) -> dict[str, Any]:
-    """§2.4 step 3: map aliases to canonical keys; reject duplicates, then unknown keys."""
+    """Validation step 3 (docs/config.md#validation-order): map aliases to canonical keys; reject
+    duplicates, then unknown keys."""
     given_as: dict[Any, Any] = {}
     for key in raw:
         canonical = ALIASES.get(key, key) if isinstance(key, str) else key
@@ -303,7 +309,8 @@ def _unknown_field_message(key: Any) -> str:
 
 
 def _check_values(values: Mapping[str, Any], *, async_dp: bool, expected_role: str | None) -> None:
-    """§2.4 steps 5-12 on coerced values, stopping at the first failure."""
+    """Validation steps 5-12 (docs/config.md#validation-order) on coerced values, stopping at the
+    first failure."""
     role = values["role"]
     if role not in ROLES:
         raise ValueError(f"AFD role must be one of {ROLES}, got {role!r}; set \"role\" to one of them")
@@ -358,9 +365,8 @@ def _check_values(values: Mapping[str, Any], *, async_dp: bool, expected_role: s
 
 
 def check_p2p_extra_config(connector: str, raw: Any) -> Mapping[Any, Any]:
-    """§2.4 step 12 for our P2P connectors: ``connector_extra_config`` must be an empty mapping.
-
-    The connectors' ``parse_extra_config`` may delegate here so the rule lives in one place.
+    """Validation step 12 (docs/config.md#validation-order) for our P2P connectors:
+    ``connector_extra_config`` must be an empty mapping.
     """
     if not isinstance(raw, Mapping):
         raise TypeError(
@@ -375,7 +381,7 @@ def check_p2p_extra_config(connector: str, raw: Any) -> Mapping[Any, Any]:
     return _FrozenMapping(raw)
 
 
-# --- sources (§2.1): the additional_config mapping, an object carrying it, or None ------------
+# --- sources (docs/config.md#activation-and-sources): additional_config, its carrier, or None
 
 
 def get_additional_config(src: Any) -> Mapping[Any, Any] | None:

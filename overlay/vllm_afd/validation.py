@@ -1,4 +1,4 @@
-"""Worker-start checks (AFD_SPEC §2.5): run in the role worker's `init_device`,
+"""Worker-start checks (docs/config.md#worker-start-checks): run in the role worker's `init_device`,
 before the runner or any connector resource exists.
 
 Config-shaped problems raise `ValueError`, runtime-shaped ones `RuntimeError`; every
@@ -85,7 +85,7 @@ def _reject(feature: str, flag: str) -> None:
 
 
 def check_features(vllm_config: VllmConfig, afd: AFDConfig, platform: str) -> None:
-    """The feature rules of AFD_SPEC §2.5 (both roles unless noted)."""
+    """The feature rules of docs/config.md#worker-start-checks (both roles unless noted)."""
     parallel = vllm_config.parallel_config
     role = afd.role
 
@@ -127,7 +127,7 @@ def check_features(vllm_config: VllmConfig, afd: AFDConfig, platform: str) -> No
 
     if role == "ffn" and parallel.data_parallel_size > 1:
         # NOTE: FFN DP ranks would need FFN-level DPMetadata for vLLM's MoE dispatch
-        # (AFD_SPEC §3.4); not built or tested yet, so refuse instead of hanging.
+        # (docs/topology.md#row-counts); not built or tested yet, so refuse instead of hanging.
         raise ValueError(
             f"AFD FFN role with data parallelism (--data-parallel-size "
             f"{parallel.data_parallel_size}) is not supported yet; scale the FFN with "
@@ -150,7 +150,8 @@ def check_features(vllm_config: VllmConfig, afd: AFDConfig, platform: str) -> No
 
 
 def check_cpu_mla(vllm_config: VllmConfig, role: str, platform: str) -> None:
-    """vLLM's CPU MLA backend serves only a 512 + 64 latent (AFD_SPEC §7.7)."""
+    """vLLM's CPU MLA backend serves only a 512 + 64 latent
+    (docs/models.md#platforms-test-models-and-gate-placement)."""
     model_config = vllm_config.model_config
     if platform != "cpu" or role != "attention" or not model_config.use_mla:
         return

@@ -1,20 +1,21 @@
 #!/usr/bin/env python3
 """Per-layer round trip through the AFD gloo connector vs a raw gloo ping-pong of the same bytes.
 
-PERF.md M2 / H2 / C2 ask for the exchange cost inside AFD divided by the floor of the same
-transport and shapes between the same two processes.  One GPU cannot host an NCCL pair, so
-on the H200 the transport is gloo with CUDA tensors staged through host memory.  This script
+The M2 / H2 / C2 ratios (docs/conventions.md#measuring-performance) ask for the exchange cost
+inside AFD divided by the floor of the same transport and shapes between the same two
+processes.  One GPU cannot host an NCCL pair, so on the H200 the transport is gloo with CUDA
+tensors staged through host memory.  This script
 spawns an attention and an FFN process and, for each shape ``[rows, hidden]`` (bf16), times
 on the attention side:
 
 * ``raw_host``: host tensors as uint8 views over two gloo groups (a2e, e2a): the wire floor;
 * ``raw_staged`` (CUDA only): the same, plus what staging costs: device->host copy before
   the send, receive into pinned memory, host->device copy after, device synchronize;
-* ``connector``: ``P2pProtocol`` + ``GlooTransport`` (what ``P2pGlooAFDConnector`` runs):
-  one control payload per step, then ``layers`` exchanges of ``send_attn_output`` +
-  ``recv_ffn_output`` answered by ``recv_attn_output`` + ``send_ffn_output`` (identity FFN).
+* ``connector``: ``AFDConnector`` + ``GlooTransport`` (what ``P2pGlooAFDConnector`` runs):
+  one control payload per step (``publish`` / ``next_step``), then ``layers`` exchanges of
+  ``send_a2f`` + ``recv_f2a`` answered by ``recv_a2f`` + ``send_f2a`` (identity FFN).
 
-No vLLM is needed: the protocol is driven directly, as the connector tests do.
+No vLLM is needed: the connector is driven directly, as the connector tests do.
 
     python3 scripts/device/bench_connector_rtt.py --device cuda --out rtt.json
 """
@@ -118,36 +119,33 @@ def _raw_pingpong(role: str, groups: tuple[Any, Any, Any], shape: tuple[int, int
 
 # ---------------------------------------------------------------------------------- connector
 
-def _protocol(role: str, port: int, hidden: int, num_layers: int, device: Any, timeout_s: float) -> Any:
+def _connector(role: str, port: int, hidden: int, num_layers: int, device: Any, timeout_s: float) -> Any:
     import torch
 
     import vllm_afd
-    from vllm_afd.connectors.channels import P2pSettings
-    from vllm_afd.connectors.gloo import GlooTransport
-    from vllm_afd.connectors.protocol import P2pProtocol
-    from vllm_afd.handshake import PROTOCOL_VERSION, Fingerprint
+    from vllm_afd.wire.connector import AFDConnector, ConnectorSpec
+    from vllm_afd.wire.handshake import Fingerprint
+    from vllm_afd.wire.placement import Placement
+    from vllm_afd.wire.transports.gloo import GlooTransport
 
-    settings = P2pSettings(
-        role=role, role_rank=0, num_attention_ranks=1, num_ffn_ranks=1, hidden_size=hidden,
-        dtype=torch.bfloat16, device=device, host="127.0.0.1", port=port, rendezvous_timeout_s=timeout_s,
-        step_timeout_s=timeout_s, peer_timeout_s=10.0, exchanges_per_stage=num_layers,
-        num_routed_experts=NUM_EXPERTS, connector_name="P2pGlooAFDConnector",
+    spec = ConnectorSpec(
+        name="P2pGlooAFDConnector", hidden_size=hidden, dtype=torch.bfloat16, device=device, host="127.0.0.1",
+        port=port, rendezvous_timeout_s=timeout_s, step_timeout_s=timeout_s, peer_timeout_s=10.0,
+        exchanges_per_stage=num_layers,
     )
-    fingerprint = Fingerprint(
-        protocol_version=PROTOCOL_VERSION, overlay_version=vllm_afd.__version__, vllm_version="bench",
-        architecture="Bench", hidden_size=hidden, num_hidden_layers=num_layers, dtype="bfloat16",
-        layer_kinds="M" * num_layers, num_routed_experts=NUM_EXPERTS, connector="P2pGlooAFDConnector",
-        num_attention_ranks=1, num_ffn_ranks=1, compute_gate_on_attention=False, graph_mode="eager",
-        dp_size=1, tp_size=1, role=role, role_rank=0, hostname=socket.gethostname(), pid=0, device=str(device),
+    placement = Placement(role, 0, 1, 1)
+    fingerprint = Fingerprint.for_rank(
+        placement, connector=spec.name, compute_gate_on_attention=False, pid=0,
+        overlay_version=vllm_afd.__version__, vllm_version="bench", architecture="Bench", hidden_size=hidden,
+        num_hidden_layers=num_layers, dtype="bfloat16", layer_kinds="M" * num_layers,
+        num_routed_experts=NUM_EXPERTS, graph_mode="eager", device=str(device),
     )
-    return P2pProtocol(settings, GlooTransport(device), lambda: fingerprint, terminate=None)
+    return AFDConnector(spec, placement, GlooTransport(device), fingerprint, terminate=None)
 
 
-def _connector_pingpong(role: str, protocol: Any, shape: tuple[int, int], device: Any, num_layers: int,
+def _connector_pingpong(role: str, connector: Any, shape: tuple[int, int], device: Any, num_layers: int,
                         num_steps: int, num_warmup: int) -> dict[str, list[float]]:
     import torch
-
-    from vllm_afd.connectors.metadata import AFDTransferContext, AFDTransferMetadata
 
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     num_rows, _ = shape
@@ -156,23 +154,20 @@ def _connector_pingpong(role: str, protocol: Any, shape: tuple[int, int], device
     for step in range(num_warmup + num_steps):
         if role == "attention":
             step_started = time.perf_counter()
-            protocol.send_dp_metadata({0: [num_rows]})
-            for layer in range(num_layers):
+            connector.publish({0: [num_rows]})
+            for _ in range(num_layers):
                 started = time.perf_counter()
-                context = AFDTransferContext(AFDTransferMetadata.create_attention_metadata(layer, 0, num_rows))
-                protocol.send_attn_output(hidden, context)
-                protocol.recv_ffn_output(hidden, 0)
+                connector.send_a2f(0, hidden)
+                connector.recv_f2a(0, hidden)
                 sync()
                 if step >= num_warmup:
                     exchanges.append(time.perf_counter() - started)
             if step >= num_warmup:
                 steps.append(time.perf_counter() - step_started)
         else:
-            protocol.update_state_from_dp_metadata(protocol.recv_dp_metadata_list())
-            for layer in range(num_layers):
-                received = protocol.recv_attn_output(0)
-                received.context.metadata.layer_idx = layer
-                protocol.send_ffn_output(received.hidden_states, received.context)
+            connector.next_step()
+            for _ in range(num_layers):
+                connector.send_f2a(0, connector.recv_a2f(0).hidden_states)
     return {"exchange": exchanges, "step": steps}
 
 
@@ -200,14 +195,14 @@ def run_rank(role: str, spec: dict[str, Any], results: Any) -> None:
                     _raw_pingpong(role, groups, shape, device, True, num_iters, spec["warmup"]))
             out.append(row)
         for index, shape in enumerate(spec["shapes"]):
-            protocol = _protocol(role, spec["connector_ports"][index], shape[1], spec["layers"], device,
-                                 spec["timeout_s"])
-            protocol.init()
+            connector = _connector(role, spec["connector_ports"][index], shape[1], spec["layers"], device,
+                                   spec["timeout_s"])
+            connector.init()
             try:
-                timed = _connector_pingpong(role, protocol, shape, device, spec["layers"], spec["steps"],
+                timed = _connector_pingpong(role, connector, shape, device, spec["layers"], spec["steps"],
                                             spec["warmup"])
             finally:
-                protocol.close()
+                connector.close()
             out[index]["connector_ms"] = percentiles_ms(timed["exchange"])
             step_ms = percentiles_ms(timed["step"])
             out[index]["connector_step_per_layer_ms"] = {k: v / spec["layers"] for k, v in step_ms.items()}

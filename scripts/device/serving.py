@@ -2,7 +2,7 @@
 
 One round serves one tiny model from up to four processes at once on the one GPU, so that
 every comparison is made between servers that are up at the same time and requests can
-alternate between them (PERF.md run rules):
+alternate between them (docs/conventions.md#measuring-performance):
 
     plain_eager     patched vLLM, no AFD, --enforce-eager                  (the baseline)
     plain_graphs    patched vLLM, no AFD, FULL_DECODE_ONLY CUDA graphs     (graphs work in the build)
@@ -12,7 +12,7 @@ alternate between them (PERF.md run rules):
 Two NCCL ranks cannot share a GPU, and gloo cannot be captured, so AFD runs eager here;
 AFD with graphs needs P2pNcclAFDConnector on two GPUs.  Every server gets a fixed
 `--kv-cache-memory-bytes` (no memory profiling, so concurrent starts cannot disturb each
-other's KV sizing: AFD_SPEC §9 item 13) and a low `--gpu-memory-utilization`.
+other's KV sizing: docs/failures.md#13-one-gpu-two-roles) and a low `--gpu-memory-utilization`.
 """
 
 from __future__ import annotations
@@ -93,7 +93,8 @@ def server_specs(variants: Sequence[str], settings: ServeSettings, *, afd_port: 
     eager = ["--enforce-eager"]
     specs = []
     cpu_env = dict(cpu_env or {})
-    # NOTE: on CPU, each process gets its own core (AFD_SPEC §9 item 14); ignored on CUDA.
+    # NOTE: on CPU, each process gets its own core (docs/failures.md#14-cpu-co-location);
+    # ignored on CUDA.
     cores = iter(["0", "1", "0", "1"])
     for variant in variants:
         if variant in ("plain_eager", "pristine_eager"):
@@ -230,7 +231,8 @@ def run_token_cases(base_url: str, max_tokens: int, timeout_s: float) -> dict[st
 
 
 def check_ffn_refuses(ffn_url: str, timeout_s: float = 30.0) -> dict[str, Any]:
-    """AFD_SPEC §6.8: the FFN answers /health 200 and generation with HTTP 400 pointing to the attention."""
+    """The FFN answers /health 200 and generation with HTTP 400 pointing to the attention
+    (docs/ffn.md#ffn-api-server)."""
     import requests
 
     health = requests.get(f"{ffn_url}/health", timeout=timeout_s).status_code

@@ -22,9 +22,14 @@ def write_tiny_model(directory: Path) -> Path:
     return directory
 
 
-def make_vllm_config(model_dir: Path, **afd: Any) -> Any:
-    """A real ``VllmConfig`` (eager, CPU) whose ``additional_config["afd"]`` is ``afd``."""
-    from vllm.config import ModelConfig, VllmConfig
+def make_vllm_config(model_dir: Path, *, data_parallel: tuple[int, int] = (1, 0), **afd: Any) -> Any:
+    """A real ``VllmConfig`` (eager, CPU) whose ``additional_config["afd"]`` is ``afd``.
+
+    ``data_parallel``: (data_parallel_size, data_parallel_rank) of the worker it configures.
+    """
+    from vllm.config import ModelConfig, ParallelConfig, VllmConfig
 
     model_config = ModelConfig(model=str(model_dir), skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True)
-    return VllmConfig(model_config=model_config, additional_config={"afd": afd})
+    size, rank = data_parallel
+    parallel_config = ParallelConfig(data_parallel_size=size, data_parallel_rank=rank)
+    return VllmConfig(model_config=model_config, parallel_config=parallel_config, additional_config={"afd": afd})

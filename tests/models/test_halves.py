@@ -91,13 +91,13 @@ def test_afd_config_is_read_once_per_model(build, tiny_model_dirs, monkeypatch, 
     from vllm_afd.models import base
 
     alias, env = ARCHS[arch][0], ARCHS[arch][3]
-    read, callers = base.require_afd_config, []
+    read, callers = base.afd_config_of, []
 
     def recording(src, caller, *args, **kwargs):
         callers.append(caller)
         return read(src, caller, *args, **kwargs)
 
-    monkeypatch.setattr(base, "require_afd_config", recording)
+    monkeypatch.setattr(base, "afd_config_of", recording)
 
     build(tiny_model_dirs[arch], alias, afd("ffn", True), env=env)
 

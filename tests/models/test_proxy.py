@@ -139,9 +139,8 @@ LOOPBACK = textwrap.dedent('''
     import torch
     from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.forward_context import create_forward_context, override_forward_context
-    from vllm_afd.connectors.metadata import AFDForwardContextMetadata
-    from vllm_afd.connectors.ops import SIDECAR_KEY, register_afd_ops, register_connector
-    from vllm_afd.models.proxy import RemoteFFNProxy
+    from vllm_afd.models.proxy import (SIDECAR_KEY, ForwardSidecar, RemoteFFNProxy, register_afd_ops,
+                                       register_connector)
 
     class LoopbackConnector:
         """Records the exchanges; its "FFN" doubles what was sent."""
@@ -149,15 +148,12 @@ LOOPBACK = textwrap.dedent('''
         def __init__(self):
             self.calls, self.pending = [], None
 
-        def check_failed(self):
-            pass
-
-        def send_attn_output(self, hidden, context, router_logits=None):
-            self.calls.append(["send", context.metadata.layer_idx, int(hidden.shape[0])])
+        def send_a2f(self, stage, hidden, router_logits=None):
+            self.calls.append(["send", stage, int(hidden.shape[0])])
             self.pending = hidden.clone()
 
-        def recv_ffn_output(self, ref_tensor, ubatch_idx=0):
-            self.calls.append(["recv", int(ref_tensor.shape[0])])
+        def recv_f2a(self, stage, out):
+            self.calls.append(["recv", stage, int(out.shape[0])])
             if self.pending is None:
                 raise RuntimeError("recv before any send")
             result, self.pending = self.pending * 2, None
@@ -174,10 +170,7 @@ LOOPBACK = textwrap.dedent('''
 
     register_afd_ops()
     connector = LoopbackConnector()
-    sidecar = AFDForwardContextMetadata(
-        tokens_start_loc=[0], requests_start_loc=[0], stage_idx=0, num_stages=1, tokens_lens=[5],
-        tokens_unpadded_lens=[5], transaction_id="afd-1", connector_handle=register_connector(connector),
-        published=True)
+    sidecar = ForwardSidecar(register_connector(connector), published=True)
     vllm_config = VllmConfig()
     torch.manual_seed(0)
     block, x = Block(), torch.randn(5, 16)
@@ -209,7 +202,7 @@ def test_proxy_and_transport_ops_exchange_once_per_forward(loopback_report, back
     result = loopback_report[backend]
 
     assert result["error"] is None
-    assert result["calls"] == [["send", 4, 5], ["recv", 5]]
+    assert result["calls"] == [["send", 0, 5], ["recv", 0, 5]]
     assert result["equal"]
 
 
@@ -223,24 +216,20 @@ WHOLE_MODEL = textwrap.dedent('''
     from vllm.model_executor.model_loader import get_model_loader
     from vllm.model_executor.model_loader.utils import initialize_model, process_weights_after_loading
     from vllm.utils.torch_utils import set_default_torch_dtype
-    from vllm_afd.connectors.metadata import AFDForwardContextMetadata
-    from vllm_afd.connectors.ops import SIDECAR_KEY, register_afd_ops, register_connector
+    from vllm_afd.models.proxy import SIDECAR_KEY, ForwardSidecar, register_afd_ops, register_connector
     from vllm_afd.models.qwen3_moe import AFDQwen3MoeForCausalLM
 
     class RecordingConnector:
         def __init__(self):
             self.calls = []
 
-        def check_failed(self):
-            pass
-
-        def send_attn_output(self, hidden, context, router_logits=None):
+        def send_a2f(self, stage, hidden, router_logits=None):
             width = None if router_logits is None else int(router_logits.shape[1])
-            self.calls.append(["send", context.metadata.layer_idx, int(hidden.shape[0]), width])
+            self.calls.append(["send", int(hidden.shape[0]), width])
 
-        def recv_ffn_output(self, ref_tensor, ubatch_idx=0):
-            self.calls.append(["recv", int(ref_tensor.shape[0])])
-            return torch.zeros_like(ref_tensor)
+        def recv_f2a(self, stage, out):
+            self.calls.append(["recv", int(out.shape[0])])
+            return torch.zeros_like(out)
 
     register_afd_ops()
     connector = RecordingConnector()
@@ -263,10 +252,7 @@ WHOLE_MODEL = textwrap.dedent('''
             runs = []
             for num_tokens in (6, 2):
                 connector.calls.clear()
-                sidecar = AFDForwardContextMetadata(
-                    tokens_start_loc=[0], requests_start_loc=[0], stage_idx=0, num_stages=1,
-                    tokens_lens=[num_tokens], tokens_unpadded_lens=[num_tokens],
-                    transaction_id="afd-1", connector_handle=handle, published=True)
+                sidecar = ForwardSidecar(handle, published=True)
                 context = create_forward_context(None, config,
                                                  additional_kwargs={SIDECAR_KEY: sidecar})
                 with torch.inference_mode(), override_forward_context(context):
@@ -296,6 +282,6 @@ def test_compiled_attention_half_exchanges_layer_by_layer(whole_model_report, ga
     assert result["compiled"] and "NONE" not in result["mode"]
     for run, num_tokens in zip(result["runs"], (6, 2)):
         expected = []
-        for layer in crossing:
-            expected += [["send", layer, num_tokens, width], ["recv", num_tokens]]
+        for _ in crossing:  # exchanges are positional: the connector never sees a layer index
+            expected += [["send", num_tokens, width], ["recv", num_tokens]]
         assert run == expected

@@ -386,8 +386,9 @@ def test_each_field_moves_the_hash_iff_it_affects_graphs(name, value, changes_gr
 def test_config_module_imports_without_torch_or_vllm():
     overlay_root = Path(vllm_afd.__file__).resolve().parents[1]
     code = (
-        "import sys, vllm_afd.config, vllm_afd.topology, vllm_afd.handshake, vllm_afd.errors, "
-        "vllm_afd.connectors.metadata; assert 'torch' not in sys.modules and 'vllm' not in sys.modules, "
+        "import sys, vllm_afd.config, vllm_afd.plugin, vllm_afd.models, vllm_afd.wire.topology, "
+        "vllm_afd.wire.placement, vllm_afd.wire.handshake, vllm_afd.wire.errors, vllm_afd.wire.messages, "
+        "vllm_afd.wire.steps; assert 'torch' not in sys.modules and 'vllm' not in sys.modules, "
         "sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'vllm'))"
     )
 

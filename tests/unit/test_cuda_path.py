@@ -1,13 +1,13 @@
 """The CUDA path's pure parts, on CPU: payload row counts, graph keys, FFN run modes, and the
-classes the CUDA runner hands to vLLM (AFD_SPEC §5.3, §5.5, §6.5)."""
+classes the CUDA runner hands to vLLM (docs/attention.md#publish-rule, docs/ffn.md#run-mode-and-graph-key)."""
 
 from __future__ import annotations
 
 import pytest
 
 from vllm_afd.attention.payloads import capture_counts, step_counts
-from vllm_afd.connectors.metadata import AFDControlPayload, AFDDPMetadata
 from vllm_afd.ffn.graphs import graph_key, run_mode
+from vllm_afd.wire.messages import ControlPayload
 
 
 def test_single_dp_rank_publishes_the_padded_batch():
@@ -29,17 +29,16 @@ def test_capture_publishes_the_descriptor_size_for_every_dp_rank():
 
 
 def payload(counts_by_stage, **flags):
-    return AFDControlPayload({s: AFDDPMetadata(tuple(c)) for s, c in counts_by_stage.items()},
-                             **flags)
+    return ControlPayload(counts_by_stage, **flags)
 
 
 def test_graph_key_keeps_attention_rank_counts_so_layouts_do_not_alias():
-    four_four = graph_key(payload({0: [4, 4]}).dp_metadata_list)
-    seven_one = graph_key(payload({0: [7, 1]}).dp_metadata_list)
+    four_four = graph_key(payload({0: [4, 4]}))
+    seven_one = graph_key(payload({0: [7, 1]}))
 
     assert four_four == ((0, (4, 4)),)
     assert four_four != seven_one  # same FFN total (8), different peer shapes (#261)
-    assert graph_key(payload({1: [2], 0: [3]}).dp_metadata_list) == ((0, (3,)), (1, (2,)))
+    assert graph_key(payload({1: [2], 0: [3]})) == ((0, (3,)), (1, (2,)))
 
 
 @pytest.mark.parametrize("flags, use_graphs, has_graph, mode", [

@@ -1,4 +1,5 @@
-"""FFNGraphCache on a real GPU: capture under vLLM's `graph_capture`, replay, replace, clear (AFD_SPEC §6.5).
+"""FFNGraphCache on a real GPU: capture under vLLM's `graph_capture`, replay, replace, clear
+(docs/ffn.md#run-mode-and-graph-key).
 
 Marked ``gpu``; skipped where CUDA is absent (CI).  The FFN's own graphs hold the connector's
 send/recv, which needs NCCL and so two GPUs; here the recorded step is plain device work, which is

@@ -1,4 +1,4 @@
-"""The FFN daemon loop and the FFN worker's refusals (AFD_SPEC §6.2–6.7).
+"""The FFN daemon loop and the FFN worker's refusals (docs/ffn.md#daemon-loop, docs/ffn.md#worker-surface-and-refusals).
 
 The runner here is a recording stand-in for `AFDFFNModelRunner` (an overlay class, not a
 vLLM one): it serves a scripted list of payloads and records what the loop asked of it.
@@ -30,7 +30,7 @@ class RecordingRunner:
     def init_connector(self) -> None:
         self.calls.append("init_connector")
 
-    def recv_control_payload(self) -> object:
+    def next_step(self) -> object:
         return self.payloads.get(timeout=10)
 
     def run_step(self, payload: object) -> None:

@@ -1,21 +1,23 @@
-"""vllm_afd.handshake: fingerprints and their comparison (AFD_SPEC §3.7, §3.5, failure modes 10-11)."""
+"""vllm_afd.wire.handshake: fingerprints and their comparison (docs/connection.md#handshake)."""
 
 import dataclasses
 import json
+import os
+import socket
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from vllm_afd.config import AFDConfig
-from vllm_afd.errors import AFDConfigMismatchError, AFDLayoutError, AFDProtocolError
-from vllm_afd.handshake import (
+from vllm_afd.wire.errors import AFDConfigMismatchError, AFDLayoutError, AFDProtocolError
+from vllm_afd.wire.handshake import (
     GLOBAL_FIELDS,
     PROTOCOL_VERSION,
     Fingerprint,
     compare_fingerprints,
     layer_kinds_string,
 )
+from vllm_afd.wire.placement import Placement
 
 MODEL_FACTS = dict(
     overlay_version="0.1.0",
@@ -32,15 +34,14 @@ MODEL_FACTS = dict(
 
 def fingerprints(num_attention=(1, 1), num_ffn=(1, 1), overrides=None):
     """Fingerprints of a whole deployment: attention DPxTP ``num_attention``, FFN DPxTP ``num_ffn``."""
-    config = {"num_attention_ranks": num_attention[0] * num_attention[1], "num_ffn_ranks": num_ffn[0] * num_ffn[1]}
+    sizes = (num_attention[0] * num_attention[1], num_ffn[0] * num_ffn[1])
     result = []
     for role, (dp, tp) in (("ffn", num_ffn), ("attention", num_attention)):
-        afd_config = AFDConfig.from_mapping({**config, "role": role})
         for role_rank in range(dp * tp):
             facts = {**MODEL_FACTS, "device": f"cuda:{role_rank}", **(overrides or {}).get((role, role_rank), {})}
             result.append(
-                Fingerprint.for_rank(afd_config, role_rank=role_rank, dp_size=dp, tp_size=tp, hostname="h",
-                                     pid=100 + role_rank, **facts)
+                Fingerprint.for_rank(Placement(role, role_rank, *sizes, dp, tp), connector="P2pNcclAFDConnector",
+                                     compute_gate_on_attention=False, hostname="h", pid=100 + role_rank, **facts)
             )
     return result
 
@@ -49,17 +50,26 @@ def by_label(prints):
     return {fp.label: fp for fp in prints}
 
 
-def test_for_rank_fills_afd_fields_from_the_config():
-    afd_config = AFDConfig.from_mapping({"role": "ffn", "num_attention_ranks": 4, "num_ffn_ranks": 2,
-                                         "compute_gate_on_attention": True})
+def test_for_rank_fills_role_and_rank_facts_from_the_placement():
+    placement = Placement("ffn", 1, 4, 2, dp_size=2, tp_size=1)
 
-    fingerprint = Fingerprint.for_rank(afd_config, role_rank=1, dp_size=2, tp_size=1, device="cpu", **MODEL_FACTS)
+    fingerprint = Fingerprint.for_rank(placement, connector="P2pNcclAFDConnector", compute_gate_on_attention=True,
+                                       device="cpu", **MODEL_FACTS)
 
-    assert fingerprint.protocol_version == PROTOCOL_VERSION == 1
+    assert fingerprint.protocol_version == PROTOCOL_VERSION == 2
     assert (fingerprint.role, fingerprint.role_rank, fingerprint.label) == ("ffn", 1, "ffn rank 1")
     assert (fingerprint.num_attention_ranks, fingerprint.num_ffn_ranks) == (4, 2)
+    assert (fingerprint.dp_size, fingerprint.tp_size) == (2, 1)
     assert fingerprint.compute_gate_on_attention and fingerprint.connector == "P2pNcclAFDConnector"
-    assert fingerprint.hostname and fingerprint.pid > 0
+    assert (fingerprint.hostname, fingerprint.pid) == (socket.gethostname(), os.getpid())
+
+
+def test_for_rank_needs_every_model_fact():
+    placement = Placement("attention", 0, 1, 1)
+    facts = {name: value for name, value in MODEL_FACTS.items() if name != "layer_kinds"}
+
+    with pytest.raises(TypeError, match="layer_kinds"):
+        Fingerprint.for_rank(placement, connector="c", compute_gate_on_attention=False, device="cpu", **facts)
 
 
 def test_json_round_trip_is_compact_and_sorted():
@@ -97,7 +107,7 @@ def test_mismatch_message_names_each_field_with_both_values():
 
 
 _OTHER_VALUES = {
-    "protocol_version": 2, "overlay_version": "0.2.0", "vllm_version": "0.31.0",
+    "protocol_version": 1, "overlay_version": "0.2.0", "vllm_version": "0.31.0",
     "architecture": "DeepseekV2ForCausalLM", "hidden_size": 1024, "num_hidden_layers": 3, "dtype": "float16",
     "layer_kinds": "DDMM", "num_routed_experts": 16, "connector": "P2pGlooAFDConnector",
     "num_attention_ranks": 2, "num_ffn_ranks": 2, "compute_gate_on_attention": True,
@@ -169,17 +179,34 @@ def test_layout_is_not_checked_without_the_other_role():
     compare_fingerprints(prints[0], prints)
 
 
-def test_peer_of_another_protocol_version_is_a_mismatch_even_if_unreadable():
+@pytest.mark.parametrize("version", [1, 3])
+def test_peer_of_another_protocol_version_is_a_mismatch_even_if_unreadable(version):
     body = json.loads(fingerprints()[0].to_json())
-    body.update(protocol_version=2, hidden_size=None)
+    body.update(protocol_version=version, hidden_size=None)
     body.pop("layer_kinds")
 
-    with pytest.raises(AFDConfigMismatchError, match=r"ffn rank 0: protocol_version \(local=1, peer=2\)"):
+    with pytest.raises(AFDConfigMismatchError) as info:
         Fingerprint.from_json(json.dumps(body))
 
+    assert str(info.value) == (
+        f"AFD configuration mismatch between this rank and ffn rank 0: protocol_version (local=2, peer={version}). "
+        "Run the same vllm_afd version on every rank"
+    )
 
-@pytest.mark.parametrize("text", ["", "not json", "[]", '{"protocol_version": 1}',
-                                  '{"protocol_version": 1, "hidden_size": "2048"}'])
+
+def test_a_readable_peer_of_protocol_1_fails_the_comparison_on_both_sides():
+    """Protocol 1 carried one count per attention DP rank; mixing it with 2 would mis-size every exchange."""
+    attention, ffn = fingerprints()[1], fingerprints()[0]
+    old = Fingerprint.from_json(dataclasses.replace(ffn, protocol_version=1).to_json())
+
+    for local, peer in ((attention, old), (old, attention)):
+        with pytest.raises(AFDConfigMismatchError,
+                           match=r"protocol_version \((attention=2, ffn=1|ffn=1, attention=2)\)"):
+            compare_fingerprints(local, [peer])
+
+
+@pytest.mark.parametrize("text", ["", "not json", "[]", f'{{"protocol_version": {PROTOCOL_VERSION}}}',
+                                  f'{{"protocol_version": {PROTOCOL_VERSION}, "hidden_size": "2048"}}'])
 def test_garbage_fingerprint_is_a_protocol_error(text):
     with pytest.raises(AFDProtocolError):
         Fingerprint.from_json(text)

@@ -1,36 +1,53 @@
-"""Rendezvous at FFN rank 0's store (AFD_SPEC §3.6-3.7): real TCPStores on loopback, ranks as threads."""
+"""Rendezvous at FFN rank 0's store (docs/connection.md#rendezvous): real TCPStores on loopback, ranks as threads."""
 
 from __future__ import annotations
 
 import re
 import socket
-import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "connectors"))
-from _harness import free_port, make_fingerprint  # noqa: E402
+from vllm_afd.wire.errors import AFDConfigMismatchError, AFDLayoutError, AFDRendezvousTimeout
+from vllm_afd.wire.handshake import Fingerprint
+from vllm_afd.wire.placement import Placement
+from vllm_afd.wire.rendezvous import Rendezvous, RendezvousSpec, rank_key
 
-from vllm_afd.connectors.rendezvous import Rendezvous, RendezvousSpec  # noqa: E402
-from vllm_afd.errors import AFDConfigMismatchError, AFDLayoutError, AFDRendezvousTimeout  # noqa: E402
+MODEL_FACTS = dict(
+    overlay_version="0.1.0", vllm_version="0.30.0", architecture="Qwen3MoeForCausalLM", hidden_size=64,
+    num_hidden_layers=4, dtype="bfloat16", layer_kinds="DMMM", num_routed_experts=8, graph_mode="eager",
+    device="cpu",
+)
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def place(role, rank, num_attention, num_ffn, tp_size=1):
+    role_size = num_attention if role == "attention" else num_ffn
+    return Placement(role, rank, num_attention, num_ffn, role_size // tp_size, tp_size)
 
 
 def spec(role, rank, num_attention, num_ffn, port, timeout_s=10.0):
-    return RendezvousSpec("127.0.0.1", port, role, rank, num_attention, num_ffn, timeout_s)
+    return RendezvousSpec(place(role, rank, num_attention, num_ffn), "127.0.0.1", port, timeout_s)
 
 
-def run_ranks(ranks, port, timeout_s=10.0, delays=None, **fingerprint_facts):
-    """ranks: [(role, rank, A, F, facts)]; returns {index: fingerprints dict or the raised exception}."""
+def run_ranks(ranks, port, timeout_s=10.0, delays=None):
+    """ranks: [(role, rank, A, F, facts)], facts may hold "tp_size"; returns {index: fingerprints or the exception}."""
     results, threads, keep = {}, [], []
 
     def body(index, role, rank, num_attention, num_ffn, facts):
         time.sleep((delays or {}).get(index, 0.0))
-        rendezvous = Rendezvous(spec(role, rank, num_attention, num_ffn, port, timeout_s))
+        facts = dict(facts)
+        placement = place(role, rank, num_attention, num_ffn, facts.pop("tp_size", 1))
+        rendezvous = Rendezvous(RendezvousSpec(placement, "127.0.0.1", port, timeout_s))
         keep.append(rendezvous)  # the host's store must outlive the other threads
-        fingerprint = make_fingerprint(role, rank, num_attention, num_ffn, **facts)
+        fingerprint = Fingerprint.for_rank(placement, connector="P2pGlooAFDConnector", compute_gate_on_attention=False,
+                                           hostname="localhost", pid=0, **{**MODEL_FACTS, **facts})
         try:
             results[index] = rendezvous.run(fingerprint)
         except Exception as exc:  # noqa: BLE001 - asserted by the tests
@@ -44,6 +61,18 @@ def run_ranks(ranks, port, timeout_s=10.0, delays=None, **fingerprint_facts):
         thread.join(timeout_s + 10.0)
     assert not any(thread.is_alive() for thread in threads), "a rendezvous thread hung"
     return results
+
+
+def test_only_ffn_rank_0_hosts_the_store_and_every_rank_is_listed_ffn_first():
+    specs = [spec(role, rank, 3, 2, 29500) for role, rank in (("ffn", 0), ("ffn", 1), ("attention", 0))]
+
+    hosts = [s.is_store_host for s in specs]
+
+    assert hosts == [True, False, False]
+    assert specs[2].all_ranks() == [("ffn", 0), ("ffn", 1), ("attention", 0), ("attention", 1), ("attention", 2)]
+    assert (specs[2].address, specs[2].identity) == ("127.0.0.1:29500", "role=attention, role_rank=0")
+    assert (specs[1].role, specs[1].role_rank) == ("ffn", 1)
+    assert rank_key("claim", "attention", 2) == "afd/claim/attention/2"
 
 
 def test_every_rank_receives_every_fingerprint_2a1f():
@@ -129,7 +158,7 @@ def test_fingerprint_mismatch_fails_every_rank_naming_both_values():
 
 def test_invalid_layout_fails_every_rank():
     port = free_port()
-    ffn = {"dp_size": 1, "tp_size": 2}
+    ffn = {"tp_size": 2}  # FFN 1x2 under attention 2x1: TP peers would get different tokens
 
     results = run_ranks([("ffn", 0, 2, 2, ffn), ("ffn", 1, 2, 2, ffn), ("attention", 0, 2, 2, {}),
                          ("attention", 1, 2, 2, {})], port)

@@ -1,4 +1,5 @@
-"""Liveness (AFD_SPEC §3.8): sticky failure, abort, termination fallback, heartbeats, step timeouts.
+"""vllm_afd.wire.watchdog (docs/connection.md#liveness): sticky failure, abort, termination fallback,
+heartbeats, step timeouts.
 
 Heartbeats run against a real TCPStore on loopback; "peers" are watchdogs of other ranks in this
 process, so stopping one is exactly what a dead peer looks like from the store.
@@ -13,8 +14,10 @@ import time
 import pytest
 from torch.distributed import TCPStore
 
-from vllm_afd.connectors.watchdog import STARTUP_DONE_KEY, FailureLatch, Watchdog, WatchdogSpec
-from vllm_afd.errors import AFDPeerLostError, AFDStepTimeoutError
+from vllm_afd.wire.errors import AFDPeerLostError, AFDStepTimeoutError
+from vllm_afd.wire.placement import Placement
+from vllm_afd.wire.rendezvous import rank_key
+from vllm_afd.wire.watchdog import STARTUP_DONE_KEY, FailureLatch, Watchdog, WatchdogSpec
 
 
 class Recorder:
@@ -120,18 +123,66 @@ def client(store: TCPStore) -> TCPStore:
                     timeout=datetime.timedelta(seconds=5))
 
 
-def make_watchdog(store, role, rank, peers, *, peer_timeout_s=0.5, step_timeout_s=30.0):
+def place(role, rank, num_attention=1, num_ffn=1):
+    role_size = num_attention if role == "attention" else num_ffn
+    return Placement(role, rank, num_attention, num_ffn, dp_size=role_size)
+
+
+def make_watchdog(store, placement, *, peer_timeout_s=0.5, step_timeout_s=30.0):
     recorder = Recorder()
     latch = FailureLatch(recorder.abort, None)
-    spec = WatchdogSpec(role=role, role_rank=rank, peers=tuple(peers), num_attention_ranks=1,
-                        peer_timeout_s=peer_timeout_s, step_timeout_s=step_timeout_s,
-                        address=f"127.0.0.1:{store.port}", step_peer_label="ffn peer rank 0")
+    spec = WatchdogSpec(placement, peer_timeout_s=peer_timeout_s, step_timeout_s=step_timeout_s,
+                        address=f"127.0.0.1:{store.port}")
     return Watchdog(client(store), spec, latch), latch
 
 
+class RecordingStore:
+    """A store that counts like TCPStore.add and records every key it was asked for."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, int] = {}
+        self.calls: list[tuple[str, int]] = []
+        self.lock = threading.Lock()
+
+    def add(self, key: str, amount: int) -> int:
+        with self.lock:
+            self.calls.append((key, amount))
+            self.values[key] = self.values.get(key, 0) + amount
+            return self.values[key]
+
+
+@pytest.mark.parametrize(("placement", "label"), [
+    (place("attention", 0), "ffn peer rank 0"),
+    (place("attention", 3, 4, 2), "ffn peer rank 1"),
+    (place("ffn", 1, 5, 2), "attention peer ranks [3 4]"),
+    (place("ffn", 0, 3, 1), "attention peer ranks [0 1 2]"),
+])
+def test_a_step_names_the_peers_it_waits_on(placement, label):
+    spec = WatchdogSpec(placement, peer_timeout_s=5.0, step_timeout_s=60.0, address="h:1")
+
+    actual = spec.step_peer_label
+
+    assert actual == label
+
+
+def test_the_watchdog_beats_its_own_counter_and_reads_exactly_its_placements_peers():
+    store = RecordingStore()
+    placement = place("ffn", 1, 3, 2)  # block [2], control peer attention 1
+    watchdog = Watchdog(store, WatchdogSpec(placement, 5.0, 60.0, "h:1"), FailureLatch(lambda: None, None))
+
+    watchdog.start()
+    wait_for(lambda: len(store.calls) >= 4, 3.0)
+    watchdog.stop()
+
+    read = {key for key, amount in store.calls if amount == 0}
+    assert {key for key, amount in store.calls if amount == 1} == {rank_key("heartbeat", "ffn", 1)}
+    assert read == {rank_key("heartbeat", role, rank) for role, rank in placement.peers} | {STARTUP_DONE_KEY}
+    assert placement.peers == (("attention", 1), ("attention", 2))
+
+
 def test_live_peers_keep_each_other_alive_and_a_silent_one_is_lost_in_time(store):
-    attention, attention_latch = make_watchdog(store, "attention", 0, [("ffn", 0)])
-    ffn, ffn_latch = make_watchdog(store, "ffn", 0, [("attention", 0)])
+    attention, attention_latch = make_watchdog(store, place("attention", 0))
+    ffn, ffn_latch = make_watchdog(store, place("ffn", 0))
     attention.start()
     ffn.start()
 
@@ -152,7 +203,8 @@ def test_losing_the_store_host_is_a_lost_peer():
     host = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, use_libuv=False,
                     timeout=datetime.timedelta(seconds=5))
     port = host.port
-    watchdog, latch = make_watchdog(host, "attention", 0, [], peer_timeout_s=0.5)
+    # A long peer timeout: the silent FFN peer must not be what fails first.
+    watchdog, latch = make_watchdog(host, place("attention", 0), peer_timeout_s=30.0)
     watchdog.start()
     time.sleep(0.3)
 
@@ -165,7 +217,7 @@ def test_losing_the_store_host_is_a_lost_peer():
 
 
 def test_step_timeout_is_armed_only_after_startup_done(store):
-    attention, latch = make_watchdog(store, "attention", 0, [], step_timeout_s=0.3)
+    attention, latch = make_watchdog(store, place("attention", 0), peer_timeout_s=30.0, step_timeout_s=0.3)
     attention.start()
     attention.step_opened(7)
 
@@ -181,7 +233,7 @@ def test_step_timeout_is_armed_only_after_startup_done(store):
 
 def test_closed_steps_do_not_time_out_but_a_stuck_transfer_does(store):
     client(store).add(STARTUP_DONE_KEY, 1)
-    attention, latch = make_watchdog(store, "attention", 0, [], step_timeout_s=0.3)
+    attention, latch = make_watchdog(store, place("attention", 0), peer_timeout_s=30.0, step_timeout_s=0.3)
     attention.start()
     wait_for(lambda: attention.armed, 3.0)
 
@@ -197,3 +249,17 @@ def test_closed_steps_do_not_time_out_but_a_stuck_transfer_does(store):
     assert isinstance(latch.failure, AFDStepTimeoutError)
     assert str(latch.failure).startswith("AFD step 4 did not complete within step_timeout_s=0.3")
     attention.stop()
+
+
+def test_step_timeouts_wait_for_every_attention_ranks_startup(store):
+    attention, latch = make_watchdog(store, place("attention", 0, 2, 1), peer_timeout_s=30.0, step_timeout_s=0.3)
+    attention.start()
+    client(store).add(STARTUP_DONE_KEY, 1)
+
+    time.sleep(0.8)  # one of two attention ranks is done: still unarmed
+    armed_early = attention.armed
+    client(store).add(STARTUP_DONE_KEY, 1)
+    wait_for(lambda: attention.armed, 3.0)
+    attention.stop()
+
+    assert not armed_early and latch.failure is None

@@ -3,7 +3,7 @@
 CPU vLLM runs the V1 runner (Model Runner V2 needs Triton's CPU backend).  V1 needs no
 per-step hook: its forward contexts carry no batch descriptor and its dummy runs call
 the model directly, so the control payload is published lazily by the first AFD op of
-each forward context (AFD_SPEC §5.3, V1 row), which sees every model forward.
+each forward context (docs/attention.md#publish-rule), which sees every model forward.
 """
 
 from __future__ import annotations

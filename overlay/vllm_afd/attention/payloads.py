@@ -1,7 +1,8 @@
-"""Row counts the CUDA attention runner publishes (AFD_SPEC §5.3); pure, testable on CPU.
+"""Row counts the CUDA attention runner publishes (docs/attention.md#publish-rule).
 
+Pure, testable on CPU.  One count per attention DP rank; the connector expands it to one per attention rank.
 Invariant (NCCL hangs when broken): the count published for a rank equals the rows that
-rank sends in the step, after DP and CUDA-graph padding.
+rank sends in the step, after DP and CUDA-graph padding (docs/topology.md#row-counts).
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ def graph_key(payload: ControlPayload) -> tuple:
 
 
 def run_mode(payload: ControlPayload, *, use_cuda_graph: bool, has_graph: bool) -> str:
-    """WARMUP, CAPTURE, REPLAY or EAGER for one payload (docs/design.md#ffn-run-modes).
+    """WARMUP, CAPTURE, REPLAY or EAGER for one payload (docs/ffn.md#run-mode-and-graph-key).
 
     REPLAY needs all three: graphs on, the attention replaying, and a graph for the key; a
     key match alone would replay during an eager prefill of the same shape.

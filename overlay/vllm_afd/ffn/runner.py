@@ -111,8 +111,13 @@ class AFDFFNModelRunner:
         self.connector.init()
 
     def next_step(self) -> ControlPayload | None:
-        """The next step's payload, adopted by the connector; None once shutdown closed it."""
+        """The next step's payload, adopted by the connector; None once shutdown closed it.
+
+        A connector that failed between two steps raises its failure here, so the FFN loop
+        stores it (and health checks report it) instead of ending as if stopped.
+        """
         if not self.connector.is_initialized:
+            self.connector.check_failed()
             return None
         return self.connector.next_step()
 

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from vllm.model_executor.models.utils import PPMissingLayer, extract_layer_index
 
-from vllm_afd.config import require_afd_config
+from vllm_afd.config import afd_config_of
 from vllm_afd.models.proxy import RemoteFFNProxy
 from vllm_afd.models.split import filter_weights, moe_layer_indices, num_routed_experts
 
@@ -58,8 +58,8 @@ class AFDSettings(NamedTuple):
 
 
 def read_afd_settings(vllm_config: VllmConfig, caller: str) -> AFDSettings:
-    """Role and gate placement from `additional_config["afd"]`; refuse what the split cannot do."""
-    afd = require_afd_config(vllm_config, caller)
+    """Role and gate placement (the worker's parse, `afd_config_of`); refuse what the split cannot do."""
+    afd = afd_config_of(vllm_config, caller)
     if vllm_config.parallel_config.use_sequence_parallel_moe:
         # NOTE: SP MoE reshapes hidden states around the `mlp` call inside the native
         # decoder forward (DeepSeek) or the MoE block (Qwen3); the split point assumes full rows.
@@ -165,6 +165,7 @@ class AFDCausalLMMixin:
 
     @property
     def lm_head_cls(self) -> type[nn.Module]:
+        """The `lm_head_cls` seam (docs/hooks.md): the native head on attention, none on the FFN."""
         return attention_only(self.afd_settings, super().lm_head_cls)  # type: ignore[misc]
 
     def init_moe_bookkeeping(

@@ -141,6 +141,7 @@ class AFDDeepseekV2DecoderLayer(DeepseekV2DecoderLayer):
         self.afd_settings = afd  # read by the properties below, during the native __init__
         super().__init__(*args, **kwargs)
 
+    # The `deepseek-v2-add-layer-module-cls` seams (docs/hooks.md): what this role builds.
     @property
     def self_attn_cls(self) -> type[nn.Module] | None:
         # None keeps the attention class the config selects (MHA, MLA or MLA in MHA form).
@@ -172,6 +173,7 @@ class AFDDeepseekV2Model(DeepseekV2Model):
         self.afd_settings = afd  # read by the properties below, during the native __init__
         super().__init__(**kwargs)
 
+    # The `deepseek-v2-add-model-module-cls` seams (docs/hooks.md).
     @property
     def decoder_layer_cls(self) -> ModuleFactory:
         return functools.partial(AFDDeepseekV2DecoderLayer, afd=self.afd_settings)
@@ -214,6 +216,7 @@ class AFDDeepseekV2ForCausalLM(AFDCausalLMMixin, DeepseekV2ForCausalLM):
             _get_moe_router_dtype(config) or vllm_config.model_config.dtype
         )
 
+    # Upstream's `model_cls` attribute; `lm_head_cls` (deepseek-v2-add-lm-head-cls): the mixin.
     @property
     def model_cls(self) -> ModuleFactory:
         return functools.partial(AFDDeepseekV2Model, afd=self.afd_settings)

@@ -106,6 +106,7 @@ class AFDQwen3MoeDecoderLayer(Qwen3MoeDecoderLayer):
         self.afd_settings = afd  # read by the properties below, during the native __init__
         super().__init__(*args, **kwargs)
 
+    # The `qwen3-moe-add-layer-module-cls` seams (docs/hooks.md): what this role builds.
     @property
     def self_attn_cls(self) -> type[torch.nn.Module]:
         return attention_only(self.afd_settings, super().self_attn_cls)
@@ -137,6 +138,7 @@ class AFDQwen3MoeModel(Qwen3MoeModel):
         layer = functools.partial(AFDQwen3MoeDecoderLayer, afd=afd)
         super().__init__(decoder_layer_type=layer, **kwargs)
 
+    # The `qwen3-moe-add-model-module-cls` seams (docs/hooks.md).
     @property
     def embed_tokens_cls(self) -> type[torch.nn.Module]:
         return attention_only(self.afd_settings, super().embed_tokens_cls)
@@ -159,6 +161,7 @@ class AFDQwen3MoeForCausalLM(AFDCausalLMMixin, Qwen3MoeForCausalLM):
         self.afd_router_logits_dtype = vllm_config.model_config.dtype
         self.init_moe_bookkeeping(Qwen3MoeSparseMoeBlock, num_expert_groups=1, num_shared_experts=0)
 
+    # The `qwen3-moe-add-causal-lm-module-cls` seam (docs/hooks.md); `lm_head_cls`: the mixin.
     @property
     def model_cls(self) -> ModuleFactory:
         return functools.partial(AFDQwen3MoeModel, afd=self.afd_settings)

@@ -5,7 +5,7 @@ payload sets, the row checks that run before any byte is sent, the positional ex
 (layer-major, stage-minor; hidden states then router logits on ``a2f``, the FFN output on
 ``f2a``), the control payload's length+bytes framing, the watchdog and the sticky failure. A
 transport only moves tensors (transport.py). Exchanges are positional, without tags
-(docs/design.md#exchange-order):
+(docs/protocol.md#one-exchange):
 
   attention (per layer, per stage)        FFN (per layer, per stage)
     send_a2f(stage, hidden[, logits])       recv_a2f(stage) from every peer, in subgroup order
@@ -223,7 +223,7 @@ class AFDConnector:
             raise AFDProtocolError(
                 f"{self.spec.name}: control payload length {num_bytes} from attention rank {p.role_rank} is "
                 f"not in 1..{MAX_CONTROL_BYTES}; expected the int64 byte length of "
-                "docs/design.md#control-payload. Run the same vllm_afd version on both roles"
+                "docs/protocol.md#control-payload. Run the same vllm_afd version on both roles"
             )
         data = torch.empty(num_bytes, dtype=torch.uint8, device=device)
         self._call(label, p.role_rank, self.transport.recv, CONTROL, data, src, timed=False)

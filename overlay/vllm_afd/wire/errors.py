@@ -1,6 +1,6 @@
 """Exception types of the AFD overlay.
 
-Every class keeps the builtin base the spec names (AFD_SPEC.md §3.6-3.8, §4.3, §8), so callers that
+Every class keeps the builtin base its kind calls for (docs/failures.md#error-types), so callers that
 only know builtin exceptions (vLLM's engine, the API server, plain ``except ValueError``) still classify
 them correctly. ``AFDError`` is a marker mixin on top, for callers that want "any AFD failure" in one
 ``except`` clause.
@@ -28,24 +28,28 @@ class AFDError(Exception):
 
 
 class AFDProtocolError(AFDError, RuntimeError):
-    """A peer sent bytes or a message sequence this rank cannot interpret (§4.3, §6.4)."""
+    """A peer sent bytes or a message sequence this rank cannot interpret
+    (docs/protocol.md#control-payload)."""
 
 
 class AFDRendezvousTimeout(AFDError, RuntimeError):
-    """Rendezvous and handshake did not finish within ``rendezvous_timeout_s`` (§3.6)."""
+    """Rendezvous and handshake did not finish within ``rendezvous_timeout_s``
+    (docs/connection.md#rendezvous)."""
 
 
 class AFDConfigMismatchError(AFDError, ValueError):
-    """Two ranks disagree on the model or on AFD settings (handshake, §3.7)."""
+    """Two ranks disagree on the model or on AFD settings (docs/connection.md#handshake)."""
 
 
 class AFDLayoutError(AFDError, ValueError):
-    """The DP x TP layouts of the two roles would feed FFN TP peers different tokens (§3.5)."""
+    """The DP x TP layouts of the two roles would feed FFN TP peers different tokens
+    (docs/topology.md#layout-rule)."""
 
 
 class AFDPeerLostError(AFDError, RuntimeError):
-    """A data or control peer stopped heartbeating or its store connection broke (§3.8)."""
+    """A data or control peer stopped heartbeating, its store connection broke, or a transfer to it
+    failed (docs/connection.md#liveness)."""
 
 
 class AFDStepTimeoutError(AFDError, RuntimeError):
-    """One step's traffic did not complete within ``step_timeout_s`` (§3.8)."""
+    """One step's traffic did not complete within ``step_timeout_s`` (docs/connection.md#liveness)."""

@@ -1,4 +1,4 @@
-"""Config-agreement handshake: what each rank publishes and how ranks compare (docs/design.md#handshake).
+"""Config-agreement handshake (docs/connection.md#handshake): what a rank publishes, how ranks compare.
 
 Every rank publishes a ``Fingerprint`` to the rendezvous store and compares it with every other rank's
 before any data channel exists, so two processes launched with different models or AFD settings fail
@@ -225,7 +225,8 @@ def _mismatch_message(pairs: list[tuple[Fingerprint, Fingerprint, list[tuple[str
 
 
 def compare_fingerprints(local: Fingerprint, others: Iterable[Fingerprint]) -> None:
-    """Raise ``AFDConfigMismatchError`` on any disagreement, then check the layout rule (docs/design.md#layout-rule).
+    """Raise ``AFDConfigMismatchError`` on any disagreement, then check the layout rule
+    (docs/topology.md#layout-rule).
 
     Every rank sees the same set of fingerprints, so comparing all global fields against ``local`` and
     role fields against the lowest rank of each role makes every rank raise on any disagreement.

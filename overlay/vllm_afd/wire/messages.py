@@ -120,12 +120,13 @@ def _undecodable(data: Any, reason: str) -> AFDProtocolError:
     head = bytes(data[:64]) if isinstance(data, (bytes, bytearray, memoryview)) else data
     return AFDProtocolError(
         f"AFD control payload is undecodable ({reason}; first bytes {head!r}); expected the compact JSON "
-        "body of docs/design.md#control-payload. Run the same vllm_afd version on both roles"
+        "body of docs/protocol.md#control-payload. Run the same vllm_afd version on both roles"
     )
 
 
 def _decode_stage(data: Any, key: str) -> int:
-    if not (key.isascii() and key.isdigit() and str(int(key)) == key):
+    # NOTE: the length bound keeps int() away from Python's digit limit (a ValueError, not ours).
+    if not (key.isascii() and key.isdigit() and len(key) <= 9 and str(int(key)) == key):
         raise _undecodable(data, f"stage key {key!r} is not a decimal integer")
     return int(key)
 

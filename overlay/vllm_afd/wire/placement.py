@@ -5,7 +5,7 @@ to everything that needs a role or rank fact: the rendezvous, the handshake's fi
 watchdog, the step state, the transports' channel groups. Nothing copies these facts into a
 settings object of its own. The other role's DP x TP split is not known before the handshake
 and not needed after it: the attention publishes one row count per attention rank
-(docs/design.md#control-payload), and the handshake checks the two layouts against each other.
+(docs/topology.md#row-counts), and the handshake checks the two layouts against each other.
 """
 
 from __future__ import annotations
@@ -121,12 +121,17 @@ class Placement:
 
     @property
     def peers(self) -> tuple[tuple[str, int], ...]:
-        """(role, role_rank) of every data and control peer, sorted, without this rank."""
-        ranks = set(self.subgroup_members)
-        if self.control_rank is not None:
-            ranks.add(self.role_rank if self.role == "attention" else self.num_ffn_ranks + self.role_rank)
-        named = {("ffn", r) if r < self.num_ffn_ranks else ("attention", r - self.num_ffn_ranks) for r in ranks}
-        named.discard((self.role, self.role_rank))
+        """(role, role_rank) of every data and control peer, sorted: the ranks whose heartbeats count.
+
+        Attention rank j: its data FFN and, for j < F, its control FFN j. FFN rank k: its attention
+        block and its control attention rank k. Symmetric: X lists Y exactly when Y lists X.
+        """
+        if self.role == "attention":
+            named = {("ffn", self.subgroup)}
+            if self.control_rank is not None:
+                named.add(("ffn", self.role_rank))
+        else:
+            named = {("attention", j) for j in self.attention_peers} | {("attention", self.role_rank)}
         return tuple(sorted(named))
 
     def channels(self) -> list[tuple[str, str, int, int]]:

@@ -1,10 +1,10 @@
-"""Rendezvous of all F + A ranks at one TCP store hosted by FFN rank 0 (docs/design.md#rendezvous).
+"""Rendezvous of all F + A ranks at one TCP store hosted by FFN rank 0 (docs/connection.md#rendezvous).
 
 Steps, all bounded by one deadline (``rendezvous_timeout_s``): FFN rank 0 listens, the others connect
 with retry; every rank claims its ``(role, role_rank)`` atomically; every rank publishes its
 fingerprint, waits for all others and compares. Groups built later are key prefixes of this store
-(no derived ports), so FFN ranks may span hosts. torch is imported lazily: the config and the
-factory import the connectors package in processes without torch.
+(no derived ports), so FFN ranks may span hosts. torch.distributed is imported lazily, at the first
+store operation.
 """
 
 from __future__ import annotations
@@ -157,11 +157,11 @@ class Rendezvous:
         if self._cancelled():
             raise RuntimeError(
                 f"AFD rendezvous at {self.spec.address} ({self.spec.identity}) cancelled: the connector was "
-                "closed while waiting; expected no close() before init_afd_connector() returns"
+                "closed while waiting; expected no close() before AFDConnector.init() returns"
             )
 
     def timeout_error(self, stage: str) -> AFDRendezvousTimeout:
-        """The §3.6 message: who joined, who is missing (from the claims in the store)."""
+        """The timeout of docs/connection.md#rendezvous: who joined, who is missing (from the claims)."""
         spec = self.spec
         joined: dict[str, list[int]] = {role: [] for role in ("ffn", "attention")}
         missing: dict[str, list[int]] = {role: [] for role in ("ffn", "attention")}

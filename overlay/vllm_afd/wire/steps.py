@@ -3,7 +3,8 @@
 Every exchange of a step is sized by the payload that opened it, so the rows are derived once per
 payload, here, and the connector only looks them up. A step ends one way: after its last exchange
 (``exchanges_per_stage`` x stages); a graph replay runs its exchanges inside the graph and is not
-counted (docs/design.md#steps). Plain values only: no transport, no watchdog, no tensors.
+counted (docs/connection.md#liveness, docs/protocol.md#step-state-and-receive-buffers). Plain values
+only: no transport, no watchdog, no tensors.
 """
 
 from __future__ import annotations

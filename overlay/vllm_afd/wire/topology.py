@@ -1,7 +1,7 @@
 """AFD topology: role ranks, AFD ranks, data and control pairing, row counts, layout rule.
 
-Pure integer arithmetic on plain values (AFD_SPEC.md §3.1-3.5), shared by the connectors, both
-runners and the handshake so that every rank derives the same pairing from the same numbers.
+Pure integer arithmetic on plain values (docs/topology.md), shared by the placement, the step state
+and the handshake so that every rank derives the same pairing from the same numbers.
 Terms: A / F = ``num_attention_ranks`` / ``num_ffn_ranks``; a role rank indexes a worker inside its
 role; AFD ranks are FFN-first (FFN k -> k, attention j -> F + j).
 """
@@ -49,7 +49,8 @@ def _check_role(role: str) -> None:
 
 
 def compute_role_rank(role: str, dp_rank: int, tp_rank: int, tp_size: int, role_size: int) -> int:
-    """§3.1: ``dp_rank * tp_size + tp_rank`` (pcp_size = 1); ``dp_rank`` is vLLM's *global* DP rank.
+    """``dp_rank * tp_size + tp_rank`` (pcp_size = 1; docs/topology.md#role-rank); ``dp_rank`` is
+    vLLM's *global* DP rank.
 
     Adding the DP start rank again was the reference's bug #192, hence the range check.
     """
@@ -107,7 +108,8 @@ def control_group_ranks(num_ffn_ranks: int) -> tuple[int, ...]:
 
 
 def control_peer(role: str, role_rank: int, num_attention_ranks: int, num_ffn_ranks: int) -> int | None:
-    """Role rank of the other role on the control channel (§3.3), None for attention ranks >= F.
+    """Role rank of the other role on the control channel (docs/topology.md#control-pairing), None
+    for attention ranks >= F.
 
     Attention k sends each step's payload to FFN k; FFN k receives from attention k. For A > F the
     control sender is generally not a data peer, so FFN k reads every peer's rows from the full vector.
@@ -143,7 +145,7 @@ def peer_rows(counts: Sequence[int], ffn_rank: int, num_attention_ranks: int, nu
 
 
 def ffn_dp_counts(counts: Sequence[int], num_attention_ranks: int, num_ffn_ranks: int, tp_ffn: int) -> list[int]:
-    """FFN-level DP token counts for the FFN's forward context (docs/design.md#ffn-dp-counts).
+    """FFN-level DP token counts for the FFN's forward context (docs/topology.md#row-counts).
 
     FFN DP rank d processes the rows of FFN role rank ``d * TP_ffn + t``, equal for every t by the
     layout rule; the result has one entry per FFN DP rank.
@@ -173,7 +175,8 @@ def check_layout(
     num_attention_ranks: int,
     num_ffn_ranks: int,
 ) -> None:
-    """§3.5: every TP peer of an FFN DP rank must see the same attention DP ranks in the same order.
+    """Every TP peer of an FFN DP rank must see the same attention DP ranks in the same order
+    (docs/topology.md#layout-rule).
 
     The FFN's MLP/MoE all-reduces across its TP peers, so row i on every peer must be the same token.
     Raises ``AFDLayoutError`` (a ``ValueError``) otherwise.

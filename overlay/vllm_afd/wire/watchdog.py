@@ -1,4 +1,4 @@
-"""Liveness of an AFD run (docs/design.md#liveness): heartbeats, step timeouts, sticky failure, termination.
+"""Liveness (docs/connection.md#liveness): heartbeats, step timeouts, sticky failure, termination.
 
 Goal: a dead or stuck peer is an error within seconds, never a hang. ``Watchdog`` is a daemon thread
 with its own store client: it bumps this rank's heartbeat counter every ``peer_timeout_s / 5`` (at
@@ -58,7 +58,8 @@ def terminate_process(cause: BaseException) -> None:
 
 
 class FailureLatch:
-    """The sticky failure of one connector, with the abort and termination fallback of §3.8."""
+    """The sticky failure of one connector, with the abort and termination fallback
+    (docs/connection.md#liveness)."""
 
     def __init__(
         self,

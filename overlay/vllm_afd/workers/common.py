@@ -19,7 +19,10 @@ if TYPE_CHECKING:
 
 def check_worker_start(vllm_config: VllmConfig, worker_name: str, role: str,
                        platform: str) -> AFDConfig:
-    """Config, worker stack and feature checks, before any resource (docs/config.md#worker-start)."""
+    """Config, worker stack and feature checks, before any resource.
+
+    The checks in order: docs/config.md#worker-start-checks.
+    """
     from vllm_afd.validation import check_features, check_worker_stack
 
     afd = require_afd_config(vllm_config, worker_name, expected_role=role)

@@ -34,7 +34,7 @@ def _bytes(tensor: torch.Tensor) -> torch.Tensor:
 
 
 class GlooTransport(Transport):
-    """Three gloo groups (a2e, e2a, ctrl) built directly on ``PrefixStore``s of the AFD store.
+    """Three gloo groups (a2f, f2a, ctrl) built directly on ``PrefixStore``s of the AFD store.
 
     NOTE: ``ProcessGroupGloo`` objects are built without ``init_process_group``: they never become
     torch's default group and never enter its global rank maps, which vLLM owns.
@@ -45,7 +45,7 @@ class GlooTransport(Transport):
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self._groups: dict[str, Any] = {}
-        # Host staging buffers for non-CPU tensors, by (nbytes, pinned): reused across exchanges.
+        # Host staging buffers for non-CPU tensors, by size in bytes: reused across exchanges.
         self._staging: dict[int, torch.Tensor] = {}
 
     def open(self, store: Any, placement: Placement, timeout_s: float) -> None:
