@@ -65,7 +65,7 @@ def _make_connector(role: str, port: int, hidden: int, dtype: Any, layers: int, 
 
 
 def _raw_groups(role: str, port: int) -> tuple[Any, Any, Any]:
-    """A bare store + two gloo pairs (a2e, e2a), built exactly like the connector's but without it."""
+    """A bare store + two gloo pairs (a2f, f2a), built exactly like the connector's but without it."""
     from torch.distributed import PrefixStore, ProcessGroupGloo, TCPStore
 
     timeout = datetime.timedelta(seconds=60)
@@ -73,8 +73,8 @@ def _raw_groups(role: str, port: int) -> tuple[Any, Any, Any]:
     store = TCPStore("127.0.0.1", port, is_master=host, wait_for_workers=False, timeout=timeout,
                      **({"use_libuv": False} if host else {}))
     rank = 0 if host else 1
-    return store, ProcessGroupGloo(PrefixStore("raw/a2e", store), rank, 2, timeout), \
-        ProcessGroupGloo(PrefixStore("raw/e2a", store), rank, 2, timeout)
+    return store, ProcessGroupGloo(PrefixStore("raw/a2f", store), rank, 2, timeout), \
+        ProcessGroupGloo(PrefixStore("raw/f2a", store), rank, 2, timeout)
 
 
 def _rank(role: str, args: argparse.Namespace, ports: tuple[int, int], results: Any) -> None:
@@ -85,7 +85,7 @@ def _rank(role: str, args: argparse.Namespace, ports: tuple[int, int], results: 
     torch.set_num_threads(1)
     dtype = getattr(torch, args.dtype)
     wait = datetime.timedelta(days=1)
-    _, raw_a2e, raw_e2a = _raw_groups(role, ports[0])
+    _, raw_a2f, raw_f2a = _raw_groups(role, ports[0])
     device = "cuda:0" if args.device == "cuda" else "cpu"
     connector = _make_connector(role, ports[1], args.hidden, dtype, args.layers, device)
     connector.init()
@@ -100,11 +100,11 @@ def _rank(role: str, args: argparse.Namespace, ports: tuple[int, int], results: 
             for i in range(args.warmup + args.iters):  # raw ping-pong
                 started = time.perf_counter()
                 if role == "attention":
-                    raw_a2e.send([raw_bytes], 0, 0).wait(wait)
-                    raw_e2a.recv([raw_bytes], 0, 0).wait(wait)
+                    raw_a2f.send([raw_bytes], 0, 0).wait(wait)
+                    raw_f2a.recv([raw_bytes], 0, 0).wait(wait)
                 else:
-                    raw_a2e.recv([raw_bytes], 1, 0).wait(wait)
-                    raw_e2a.send([raw_bytes], 1, 0).wait(wait)
+                    raw_a2f.recv([raw_bytes], 1, 0).wait(wait)
+                    raw_f2a.send([raw_bytes], 1, 0).wait(wait)
                 if i >= args.warmup:
                     raw_s.append(time.perf_counter() - started)
             num_steps = (args.warmup + args.iters) // args.layers

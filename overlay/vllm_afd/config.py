@@ -28,6 +28,7 @@ __all__ = [
     "AFDConfig",
     "CAM_CONNECTORS",
     "CONNECTORS",
+    "CONNECTOR_HINT",
     "FIELD_NAMES",
     "GRAPH_FIELDS",
     "ROLES",
@@ -44,7 +45,11 @@ __all__ = [
 
 AFD_KEY = "afd"
 ROLES = ("attention", "ffn")
-CONNECTORS = ("P2pNcclAFDConnector", "P2pGlooAFDConnector")
+# NCCL: one GPU per rank, across hosts; IPC: ranks of one node (one GPU or peer GPUs); gloo: CPU, eager.
+CONNECTORS = ("P2pNcclAFDConnector", "P2pGlooAFDConnector", "P2pIpcAFDConnector")
+# What to use instead, in the messages that refuse a connector name.
+CONNECTOR_HINT = ("'P2pNcclAFDConnector' (CUDA, across hosts), 'P2pIpcAFDConnector' (CUDA, one node) or "
+                  "'P2pGlooAFDConnector' (CPU, eager)")
 # Known names of the reference's Ascend connectors: rejected with their own message
 # (docs/config.md#validation-order, step 7).
 CAM_CONNECTORS = ("CAMP2pAFDConnector", "CAMAsyncAFDConnector")
@@ -201,7 +206,8 @@ class AFDConfig:
 
     # Which half of every decoder layer this process runs: "attention" or "ffn".
     role: str = "attention"
-    # Transport between the roles: P2pNcclAFDConnector (CUDA) or P2pGlooAFDConnector (CPU / one GPU).
+    # Transport between the roles: P2pNcclAFDConnector (CUDA, across hosts), P2pIpcAFDConnector (CUDA,
+    # one node, graphs too) or P2pGlooAFDConnector (CPU, or one GPU eager).
     connector: str = "P2pNcclAFDConnector"
     # Address of FFN rank 0, which hosts the rendezvous store.
     host: str = "127.0.0.1"
@@ -325,14 +331,10 @@ def _check_values(values: Mapping[str, Any], *, async_dp: bool, expected_role: s
     connector = values["connector"]
     if connector in CAM_CONNECTORS:
         raise ValueError(
-            f"AFD connector {connector!r} is an Ascend CAM connector and is not supported; use "
-            "'P2pNcclAFDConnector' (CUDA) or 'P2pGlooAFDConnector' (CPU or a single GPU)"
+            f"AFD connector {connector!r} is an Ascend CAM connector and is not supported; use {CONNECTOR_HINT}"
         )
     if connector not in CONNECTORS:
-        raise ValueError(
-            f"AFD connector must be one of {CONNECTORS}, got {connector!r}; use 'P2pNcclAFDConnector' "
-            "(CUDA) or 'P2pGlooAFDConnector' (CPU or a single GPU)"
-        )
+        raise ValueError(f"AFD connector must be one of {CONNECTORS}, got {connector!r}; use {CONNECTOR_HINT}")
     if async_dp:
         raise ValueError(
             "AFD async mode requires connector='CAMAsyncAFDConnector', which is not supported; "

@@ -6,8 +6,9 @@ Here ``VllmConfig`` becomes the rank's ``Fingerprint`` and the plain ``Connector
 sizes a connector exchanges are the sizes its rank published and compared in the handshake.
 
 ``TRANSPORTS`` is the connector registry: a connector name (the config's ``connector`` key) maps
-to a factory of its transport. A new transport is a file in ``wire/transports/`` plus an entry
-here and in ``config.CONNECTORS``.
+to a factory of its transport, called with the rank's device and the ``ConnectorSpec`` (a
+preallocating transport sizes itself from it). A new transport is a file in ``wire/transports/``
+plus an entry here and in ``config.CONNECTORS``.
 """
 
 from __future__ import annotations
@@ -26,19 +27,33 @@ from vllm_afd.wire.transport import Transport
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
-__all__ = ["TRANSPORTS", "build_connector", "build_fingerprint", "build_placement", "native_architecture"]
+__all__ = [
+    "TRANSPORTS", "build_connector", "build_fingerprint", "build_placement", "max_exchange_rows", "native_architecture",
+]
 
 
-def _gloo(device: torch.device) -> Transport:
+def _gloo(device: torch.device, spec: ConnectorSpec | None = None) -> Transport:
     from vllm_afd.wire.transports.gloo import GlooTransport
 
     return GlooTransport(device)
 
 
-def _nccl(device: torch.device) -> Transport:
+def _nccl(device: torch.device, spec: ConnectorSpec | None = None) -> Transport:
     from vllm_afd.wire.transports.nccl import NcclTransport
 
     return NcclTransport(device, _pynccl_communicator)
+
+
+def _ipc(device: torch.device, spec: ConnectorSpec | None = None) -> Transport:
+    from vllm_afd.wire.transports.ipc import IpcTransport, message_row_bytes
+
+    if spec is None or spec.max_rows is None:
+        raise ValueError(
+            "P2pIpcAFDConnector: its transport preallocates one slot per message and needs the connector spec "
+            f"with max_rows to size them (got {spec!r}); build it through vllm_afd.connect.build_connector"
+        )
+    row_bytes = message_row_bytes(spec.hidden_size, spec.dtype, spec.router_logits_width)
+    return IpcTransport(device, row_bytes=row_bytes, max_rows=spec.max_rows)
 
 
 def _pynccl_communicator(store: Any, rank: int, size: int, device: torch.device) -> Any:
@@ -49,11 +64,18 @@ def _pynccl_communicator(store: Any, rank: int, size: int, device: torch.device)
     return PyNcclCommunicator(StatelessProcessGroup(rank=rank, world_size=size, store=store), device=device)
 
 
-# Connector name -> transport factory (the device the rank's tensors live on).
-TRANSPORTS: dict[str, Callable[[torch.device], Transport]] = {
+# Connector name -> transport factory: (the device the rank's tensors live on, the ConnectorSpec or None).
+TRANSPORTS: dict[str, Callable[..., Transport]] = {
     "P2pGlooAFDConnector": _gloo,
     "P2pNcclAFDConnector": _nccl,
+    "P2pIpcAFDConnector": _ipc,
 }
+
+
+def max_exchange_rows(vllm_config: VllmConfig) -> int:
+    """Most rows one attention rank sends in one exchange: a scheduled step or a captured graph size."""
+    scheduled = int(vllm_config.scheduler_config.max_num_batched_tokens)
+    return max(scheduled, int(vllm_config.compilation_config.max_cudagraph_capture_size or 0))
 
 
 def build_placement(vllm_config: VllmConfig, afd_config: AFDConfig) -> Placement:
@@ -130,5 +152,6 @@ def build_connector(
         ),
         router_logits_width=fingerprint.num_routed_experts if gate_on_attention else None,
         use_graph_buffers=fingerprint.graph_mode != "eager",
+        max_rows=max_exchange_rows(vllm_config),
     )
-    return AFDConnector(spec, placement, TRANSPORTS[afd_config.connector](device), fingerprint)
+    return AFDConnector(spec, placement, TRANSPORTS[afd_config.connector](device, spec), fingerprint)

@@ -28,6 +28,9 @@ PLATFORM_DEFAULT_WORKERS: dict[str, str] = {
     "cpu": "vllm.v1.worker.cpu_worker.CPUWorker",
 }
 GRAPH_MODES = ("eager", "FULL_DECODE_ONLY")
+# Connectors that move GPU memory only; and the one whose host round trips a CUDA graph cannot record.
+CUDA_CONNECTORS = ("P2pNcclAFDConnector", "P2pIpcAFDConnector")
+EAGER_ONLY_CONNECTORS = ("P2pGlooAFDConnector",)
 
 
 def worker_class_for(platform: str, role: str) -> str:
@@ -89,15 +92,15 @@ def check_features(vllm_config: VllmConfig, afd: AFDConfig, platform: str) -> No
     parallel = vllm_config.parallel_config
     role = afd.role
 
-    if afd.connector == "P2pNcclAFDConnector" and platform != "cuda":
+    if afd.connector in CUDA_CONNECTORS and platform != "cuda":
         raise ValueError(
-            "P2pNcclAFDConnector requires CUDA devices; use P2pGlooAFDConnector on CPU."
+            f"{afd.connector} requires CUDA devices; use P2pGlooAFDConnector on CPU."
         )
     mode = graph_mode(vllm_config)
-    if mode != "eager" and afd.connector == "P2pGlooAFDConnector":
+    if mode != "eager" and afd.connector in EAGER_ONLY_CONNECTORS:
         raise ValueError(
-            "P2pGlooAFDConnector cannot be captured in CUDA graphs; pass --enforce-eager "
-            "or use P2pNcclAFDConnector."
+            f"{afd.connector} cannot be captured in CUDA graphs; pass --enforce-eager, or use "
+            "P2pIpcAFDConnector (roles on one node) or P2pNcclAFDConnector (across hosts)."
         )
     if mode not in GRAPH_MODES:
         raise ValueError(

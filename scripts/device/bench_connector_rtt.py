@@ -8,7 +8,7 @@ tensors staged through host memory.  This script
 spawns an attention and an FFN process and, for each shape ``[rows, hidden]`` (bf16), times
 on the attention side:
 
-* ``raw_host``: host tensors as uint8 views over two gloo groups (a2e, e2a): the wire floor;
+* ``raw_host``: host tensors as uint8 views over two gloo groups (a2f, f2a): the wire floor;
 * ``raw_staged`` (CUDA only): the same, plus what staging costs: device->host copy before
   the send, receive into pinned memory, host->device copy after, device synchronize;
 * ``connector``: ``AFDConnector`` + ``GlooTransport`` (what ``P2pGlooAFDConnector`` runs):
@@ -73,9 +73,9 @@ def _raw_groups(role: str, port: int, timeout_s: float) -> tuple[Any, Any, Any]:
     timeout = datetime.timedelta(seconds=timeout_s)
     rank = 0 if role == "ffn" else 1
     store = TCPStore("127.0.0.1", port, 2, rank == 0, timeout=timeout)
-    a2e = ProcessGroupGloo(PrefixStore("raw/a2e", store), rank, 2, timeout)
-    e2a = ProcessGroupGloo(PrefixStore("raw/e2a", store), rank, 2, timeout)
-    return store, a2e, e2a
+    a2f = ProcessGroupGloo(PrefixStore("raw/a2f", store), rank, 2, timeout)
+    f2a = ProcessGroupGloo(PrefixStore("raw/f2a", store), rank, 2, timeout)
+    return store, a2f, f2a
 
 
 def _bytes(tensor: Any) -> Any:
@@ -90,7 +90,7 @@ def _raw_pingpong(role: str, groups: tuple[Any, Any, Any], shape: tuple[int, int
     """One side of `num_warmup + num_iters` exchanges; returns the attention's timed ones (s)."""
     import torch
 
-    _, a2e, e2a = groups
+    _, a2f, f2a = groups
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     host_buf = torch.zeros(shape, dtype=torch.bfloat16, pin_memory=staged)
     dev = torch.ones(shape, dtype=torch.bfloat16, device=device if staged else "cpu")
@@ -99,21 +99,21 @@ def _raw_pingpong(role: str, groups: tuple[Any, Any, Any], shape: tuple[int, int
         if role == "attention":
             started = time.perf_counter()
             host = dev.to("cpu") if staged else dev
-            a2e.send([_bytes(host.contiguous())], 0, 0).wait()
-            e2a.recv([_bytes(host_buf)], 0, 0).wait()
+            a2f.send([_bytes(host.contiguous())], 0, 0).wait()
+            f2a.recv([_bytes(host_buf)], 0, 0).wait()
             if staged:
                 dev.copy_(host_buf)
                 sync()
             if i >= num_warmup:
                 samples.append(time.perf_counter() - started)
         else:
-            a2e.recv([_bytes(host_buf)], 1, 0).wait()
+            a2f.recv([_bytes(host_buf)], 1, 0).wait()
             if staged:
                 dev.copy_(host_buf)
                 host = dev.to("cpu")
             else:
                 host = host_buf
-            e2a.send([_bytes(host.contiguous())], 1, 0).wait()
+            f2a.send([_bytes(host.contiguous())], 1, 0).wait()
     return samples
 
 

@@ -17,8 +17,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 # Execution order.  "pristine" runs the unpatched tree, so it must precede "patch".
-PHASES = ("models", "pristine", "patch", "gputests", "rtt", "tokens", "bench", "hooks")
-DEFAULT_PHASES = ("patch", "models", "gputests", "rtt", "tokens", "bench", "hooks")
+PHASES = ("models", "pristine", "patch", "gputests", "rtt", "ipcfloor", "tokens", "bench", "hooks")
+DEFAULT_PHASES = ("patch", "models", "gputests", "rtt", "ipcfloor", "tokens", "bench", "hooks")
 
 # Token checks: a few text prompts in the tiny tokenizer's domain, plus one chat turn.
 TEXT_PROMPTS = (
@@ -36,7 +36,8 @@ TINY_VOCAB_SIZE = 512
 
 # Variant names: the baseline everything is compared with, and the candidates.
 BASELINE = "plain_eager"
-COMPARISONS = (("afd_eager", BASELINE), ("plain_graphs", BASELINE), ("pristine_eager", BASELINE))
+COMPARISONS = (("afd_eager", BASELINE), ("plain_graphs", BASELINE), ("pristine_eager", BASELINE),
+               ("afd_ipc_eager", BASELINE), ("afd_ipc_graphs", BASELINE), ("afd_ipc_graphs", "plain_graphs"))
 
 
 def parse_phases(text: str) -> list[str]:
@@ -351,8 +352,9 @@ def verdict_lines(summary: Mapping[str, Any]) -> list[str]:
     return lines
 
 
-def render_markdown(summary: Mapping[str, Any]) -> str:
-    """summary.json -> summary.md: phase table, then tokens, throughput, round trips, servers, hooks."""
+def render_markdown(summary: Mapping[str, Any], extra: Sequence[str] = ()) -> str:
+    """summary.json -> summary.md: phase table, then tokens, throughput, round trips, `extra` lines, servers,
+    hooks."""
     phases = summary.get("phases", {})
     lines = [f"# GPU end-to-end run ({summary.get('started_at', '?')})", "",
              f"Device: {summary.get('device', {}).get('name', '?')}; torch "
@@ -362,7 +364,7 @@ def render_markdown(summary: Mapping[str, Any]) -> str:
     if verdict:
         lines += ["", "### Verdict", ""] + verdict
     for block in (_gputest_lines(phases.get("gputests", {})), _token_lines(phases.get("tokens", {})), _bench_lines(phases.get("bench", {})),
-                  _rtt_lines(phases.get("rtt", {}), phases.get("bench", {})),
+                  _rtt_lines(phases.get("rtt", {}), phases.get("bench", {})), list(extra),
                   _server_lines(summary.get("servers", {}))):
         if block:
             lines += [""] + block

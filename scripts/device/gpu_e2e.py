@@ -11,8 +11,11 @@ does everything in one go, each phase isolated so that one failure keeps the oth
     patch     apply patches/series to ~/vllm-site in place; import check of vLLM + overlay plugin
     gputests  the repo's pytest tests marked `gpu` (CUDA-staged gloo connector, NCCL's one-GPU refusal)
     rtt       per-layer round trip through the gloo connector vs raw gloo (bench_connector_rtt.py)
-    tokens    per model: plain eager, plain FULL_DECODE_ONLY graphs and AFD (FFN + attention, gloo,
-              eager) served at once on the one GPU; greedy tokens compared (serving.py)
+    ipcfloor  per-layer round trip of the CUDA IPC transport: raw in a graph (the floor), raw eager,
+              through the connector, and the probe's device flags (bench_ipc_floor.py)
+    tokens    per model: plain eager, plain FULL_DECODE_ONLY graphs, AFD over gloo (eager) and AFD
+              over CUDA IPC (eager, and FULL_DECODE_ONLY on both roles), served at once on the one
+              GPU; greedy tokens compared (serving.py)
     bench     decode tok/s of the same servers, interleaved, batch 1 and 32 (with "tokens": one round)
     hooks     scripts/gpu_hook_check.py on the first model (MRV2 hooks, eager + graphs), its JSON recorded
 
@@ -48,8 +51,11 @@ sys.path.insert(0, str(HARNESS))  # serving.py starts the servers through afd_ha
 
 
 # The gputests phase: the repo's tests that need a GPU, plus the CUDA path's pure tests.
-GPU_TESTS = ("tests/connectors/test_connectors_cuda.py", "tests/unit/test_ffn_graphs_cuda.py",
-             "tests/unit/test_cuda_path.py")
+GPU_TESTS = ("tests/connectors/test_connectors_cuda.py", "tests/connectors/test_ipc_cuda.py",
+             "tests/unit/test_ffn_graphs_cuda.py", "tests/unit/test_cuda_path.py")
+# Servers of a round (serving.VARIANT_SERVERS); plain_eager is the baseline of every comparison.
+VARIANTS = ("plain_eager", "plain_graphs", "afd_eager", "afd_ipc_eager", "afd_ipc_graphs")
+CUDA_ONLY = ("plain_graphs", "afd_ipc_eager", "afd_ipc_graphs")
 
 
 class Terminated(BaseException):
@@ -84,8 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"comma-separated subset of {','.join(report.PHASES)} or 'all' (default: {','.join(report.DEFAULT_PHASES)})")
     add("--models", type=_names,
         default=["qwen3_moe", "deepseek_v2_mla"], help="tiny_models archs to serve, in order")
-    add("--variants", type=_names,
-        default=["plain_eager", "plain_graphs", "afd_eager"], help="servers per round (plain_graphs needs CUDA)")
+    add("--variants", type=_names, default=list(VARIANTS),
+        help=f"servers per round, some of {','.join(VARIANTS)} ({', '.join(CUDA_ONLY)} need CUDA)")
     add("--platform", choices=("cuda", "cpu"), default="cuda", help="cpu: smoke-test this script on the CPU machine")
     add("--vllm-site", default="~/vllm-site", help="directory holding the staged vllm/ (patched in place)")
     add("--afd-site", default="~/afd-site", help="where the overlay's dist-info is written")
@@ -100,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
         "the budget then also ends --command-limit-s after it, minus a reserve")
     add("--command-limit-s", type=float, default=600.0)
     add("--min-round-s", type=float, default=120.0, help="time a model round needs to be started")
-    add("--startup-timeout-s", type=float, default=240.0)
+    add("--startup-timeout-s", type=float, default=300.0, help="per round; eight servers start at once")
     add("--request-timeout-s", type=float, default=120.0)
     add("--max-model-len", type=int, default=1024)
     add("--max-num-seqs", type=int, default=64)
@@ -116,6 +122,9 @@ def build_parser() -> argparse.ArgumentParser:
     add("--bench-repeats", type=int, default=3)
     add("--rtt-shapes", default="1x128,32x128,1x2048,64x2048,256x2048")
     add("--rtt-steps", type=int, default=100)
+    add("--ipc-floor-shapes", default="1x128,32x128,1x2048,256x2048", help="ROWSxHIDDEN of the ipcfloor phase")
+    add("--ipc-floor-steps", type=int, default=100)
+    add("--ipc-floor-timeout-s", type=float, default=180.0, help="the ipcfloor phase's own budget")
     add("--gpu-tests", default=" ".join(GPU_TESTS),
         help="pytest paths of the gputests phase")
     add("--gloo-bench-args", default="", help="extra args for scripts/bench_gloo_roundtrip.py --device cuda")
@@ -131,12 +140,13 @@ def build_parser() -> argparse.ArgumentParser:
 def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if {"pristine", "tokens", "bench", "hooks"} & set(args.phases) and "models" not in args.phases:
         args.phases = report.parse_phases(",".join(["models", *args.phases]))  # cheap: reuses built models
-    if args.platform == "cpu" and "plain_graphs" in args.variants:
-        args.variants = [v for v in args.variants if v != "plain_graphs"]
-    bad = sorted(set(args.variants) - {"plain_eager", "plain_graphs", "afd_eager"})
+    if args.platform == "cpu":  # a smoke run of this script: nothing that needs CUDA
+        args.variants = [v for v in args.variants if v not in CUDA_ONLY]
+        args.phases = [p for p in args.phases if p != "ipcfloor"]
+    bad = sorted(set(args.variants) - set(VARIANTS))
     if bad or "plain_eager" not in args.variants:
-        parser.error(f"--variants: {bad or args.variants} invalid; expected plain_eager plus any of plain_graphs, "
-                     "afd_eager (plain_eager is the baseline of every comparison)")
+        parser.error(f"--variants: {bad or args.variants} invalid; expected plain_eager plus any of "
+                     f"{', '.join(VARIANTS[1:])} (plain_eager is the baseline of every comparison)")
     if max(args.bench_batches) > args.max_num_seqs:
         parser.error(f"--bench-batches {max(args.bench_batches)} exceeds --max-num-seqs {args.max_num_seqs}; "
                      "raise --max-num-seqs or lower the batch")
@@ -152,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     run = Run(args)
     phase_fns: dict[str, Callable[[Run], dict[str, Any]]] = {
         "models": phases.phase_models, "pristine": phases.phase_pristine, "patch": phases.phase_patch,
-        "rtt": phases.phase_rtt, "hooks": phases.phase_hooks,
+        "rtt": phases.phase_rtt, "ipcfloor": phases.phase_ipcfloor, "hooks": phases.phase_hooks,
         "gputests": phases.phase_gputests}
     code = 0
     try:

@@ -23,6 +23,7 @@ from typing import Any
 
 import e2e_report as report
 import install_overlay
+import round_records
 import serving
 from run_state import HARNESS, HERE, REPO, Run
 IMPORT_CHECK = """
@@ -194,6 +195,20 @@ def phase_rtt(run: Run) -> dict[str, Any]:
     return result
 
 
+def phase_ipcfloor(run: Run) -> dict[str, Any]:
+    """bench_ipc_floor.py: the per-layer round trip of the IPC transport, raw (graph, eager) and connector."""
+    out_file = run.work_dir / "ipc_floor.json"
+    out_file.unlink(missing_ok=True)
+    budget_s = max(30.0, min(run.args.ipc_floor_timeout_s, run.time_left() - 15))
+    argv = [sys.executable, str(HERE / "bench_ipc_floor.py"), "--shapes", run.args.ipc_floor_shapes,
+            "--steps", str(run.args.ipc_floor_steps), "--timeout-s", str(int(budget_s - 10)), "--out", str(out_file)]
+    done = run.run_cmd(argv, env=run.env(overlay=False, vllm=False, extra=[str(REPO / "overlay")]),
+                       timeout_s=budget_s, log_name="bench-ipc-floor")
+    if done["rc"] != 0 or not out_file.is_file():
+        raise RuntimeError(f"bench_ipc_floor.py failed (rc {done['rc']}): {done['tail']}")
+    return json.loads(out_file.read_text())
+
+
 def phase_gputests(run: Run) -> dict[str, Any]:
     """The repo's GPU-marked pytest tests (CUDA-staged gloo, NCCL's one-GPU refusal) on the device."""
     if not run.tool_entries:
@@ -223,7 +238,8 @@ def serve_round(run: Run, arch: str, variants: list[str], *, do_tokens: bool, do
         graph_compile=args.graph_compile, rendezvous_timeout_s=max(60.0, args.startup_timeout_s - 30),
         extra_args=tuple(shlex.split(args.serve_args)))
     cpu_env = model.get("serve_env", {}) if args.platform == "cpu" else {}
-    specs = serving.server_specs(variants, settings, afd_port=_free_port(), cpu_env=cpu_env)
+    ports = {variant: _free_port() for variant in variants if variant in serving.AFD_VARIANTS}
+    specs = serving.server_specs(variants, settings, afd_port=ports, cpu_env=cpu_env)
     startup_timeout = max(30.0, min(args.startup_timeout_s, run.time_left() - 60))
     result: dict[str, Any] = {"variants": variants}
     servers, infos = serving.start_servers(specs, Path(model["path"]), base_env=env, logs_dir=run.logs_dir,
@@ -234,8 +250,10 @@ def serve_round(run: Run, arch: str, variants: list[str], *, do_tokens: bool, do
         urls = {spec.variant: servers[spec.name].base_url for spec in specs
                 if spec.variant and infos[spec.name]["status"] == "up"}
         result["variants_up"] = sorted(urls)
-        if "afd_ffn" in servers and infos["afd_ffn"]["status"] == "up":
-            result["ffn_refuses_requests"] = _guarded(lambda: serving.check_ffn_refuses(servers["afd_ffn"].base_url))
+        ffn = next((spec.name for spec in specs if spec.name.endswith("_ffn") and infos[spec.name]["status"] == "up"),
+                   None)
+        if ffn is not None:
+            result["ffn_refuses_requests"] = _guarded(lambda: serving.check_ffn_refuses(servers[ffn].base_url))
         if do_tokens:
             result["outputs"] = {}
             for variant, url in urls.items():
@@ -301,46 +319,15 @@ def phase_serve(run: Run, do_tokens: bool, do_bench: bool) -> None:
         if not_up:
             failures.append(f"{arch}: servers not up for {', '.join(not_up)} (see the Servers table)")
         if do_tokens:
-            records["tokens"]["models"][arch] = tokens_record(result)
+            records["tokens"]["models"][arch] = round_records.tokens_record(result)
         if do_bench:
-            records["bench"]["models"][arch] = bench_record(result, run.models[arch])
+            records["bench"]["models"][arch] = round_records.bench_record(result, run.models[arch])
         run.save()
     for name, record in records.items():
         record["seconds"] = round(time.monotonic() - started, 1)
         done = [m for m in record["models"] if "error" not in record["models"][m]]
         record["status"] = "ok" if not failures and done else ("partial" if done else "failed")
         record["error"] = "\n".join(failures) or None
-
-
-def tokens_record(result: dict[str, Any]) -> dict[str, Any]:
-    outputs = result.get("outputs", {})
-    comparisons = {}
-    for candidate, reference in report.COMPARISONS:
-        if candidate in outputs and reference in outputs:
-            ref, cand = outputs[reference], outputs[candidate]
-            if "error" in ref or "error" in cand:
-                comparisons[f"{candidate}_vs_{reference}"] = {"error": ref.get("error") or cand.get("error")}
-            else:
-                comparisons[f"{candidate}_vs_{reference}"] = report.compare_variants(ref, cand)
-    missing = sorted(set(result["variants"]) - set(result.get("variants_up", [])))
-    return {"variants_up": result.get("variants_up"), "variants_not_up": missing,
-            "ffn_refuses_requests": result.get("ffn_refuses_requests"), "comparisons": comparisons,
-            "outputs": outputs}
-
-
-def bench_record(result: dict[str, Any], model: dict[str, Any]) -> dict[str, Any]:
-    bench = result.get("bench") or {"error": "no bench result (no server up or no time left)"}
-    if "variants" in bench:
-        num_layers = int(model["config"]["num_hidden_layers"])
-        bench["num_crossing_layers"] = num_layers
-        bench["hidden_size"] = int(model["config"]["hidden_size"])
-        variants = bench["variants"]
-        bench["serving_per_layer_ms"] = {}
-        for batch in bench["batches"]:
-            afd, plain = variants.get("afd_eager", {}).get(str(batch)), variants.get("plain_eager", {}).get(str(batch))
-            bench["serving_per_layer_ms"][str(batch)] = report.serving_per_layer_ms(
-                afd and afd["tpot_ms"], plain and plain["tpot_ms"], num_layers)
-    return bench
 
 
 def phase_pristine(run: Run) -> dict[str, Any]:

@@ -21,8 +21,8 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-import e2e_report as report
 import install_overlay
+import ipc_report
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -109,7 +109,7 @@ class Run:
         self.summary["elapsed_s"] = round(time.monotonic() - self.started, 1)
         _atomic_write(self.out_dir / "summary.json", json.dumps(self.summary, indent=1, default=str) + "\n")
         try:
-            markdown = report.render_markdown(self.summary)
+            markdown = ipc_report.render_markdown(self.summary)
         except Exception:  # noqa: BLE001 - the JSON is written; a report bug must not end the run
             markdown = f"# summary.md could not be rendered\n\n```\n{traceback.format_exc()}```\n"
         _atomic_write(self.out_dir / "summary.md", markdown)

@@ -1,18 +1,21 @@
 """Servers of one GPU end-to-end round: which `vllm serve` processes, their flags, and the requests.
 
-One round serves one tiny model from up to four processes at once on the one GPU, so that
+One round serves one tiny model from up to eight processes at once on the one GPU, so that
 every comparison is made between servers that are up at the same time and requests can
 alternate between them (docs/conventions.md#measuring-performance):
 
-    plain_eager     patched vLLM, no AFD, --enforce-eager                  (the baseline)
-    plain_graphs    patched vLLM, no AFD, FULL_DECODE_ONLY CUDA graphs     (graphs work in the build)
-    afd_ffn         AFD FFN role, P2pGlooAFDConnector, eager               (serves no requests)
-    afd_attention   AFD attention role, same connector, eager              (variant "afd_eager")
+    variant          servers                        flags
+    plain_eager      plain_eager                    patched vLLM, no AFD, --enforce-eager (the baseline)
+    plain_graphs     plain_graphs                   no AFD, FULL_DECODE_ONLY CUDA graphs
+    afd_eager        afd_ffn + afd_attention        AFD over P2pGlooAFDConnector, eager
+    afd_ipc_eager    afd_ipc_ffn + ..._attention    AFD over P2pIpcAFDConnector, eager
+    afd_ipc_graphs   afd_ipcg_ffn + ..._attention   AFD over P2pIpcAFDConnector, FULL_DECODE_ONLY on both roles
 
-Two NCCL ranks cannot share a GPU, and gloo cannot be captured, so AFD runs eager here;
-AFD with graphs needs P2pNcclAFDConnector on two GPUs.  Every server gets a fixed
-`--kv-cache-memory-bytes` (no memory profiling, so concurrent starts cannot disturb each
-other's KV sizing: docs/failures.md#13-one-gpu-two-roles) and a low `--gpu-memory-utilization`.
+The FFN of a pair serves no requests.  NCCL refuses two ranks on one GPU and gloo cannot be
+captured; the IPC connector is the one-node transport that is (wire/transports/ipc.py).  Every
+server gets a fixed `--kv-cache-memory-bytes` (no memory profiling, so concurrent starts cannot
+disturb each other's KV sizing: docs/failures.md#13-one-gpu-two-roles) and a low
+`--gpu-memory-utilization`.
 """
 
 from __future__ import annotations
@@ -31,8 +34,14 @@ from e2e_report import CHAT_MESSAGE, TEXT_PROMPTS, bench_prompt_ids, decode_rate
 
 # variant name -> the server that answers its requests
 VARIANT_SERVERS = {"plain_eager": "plain_eager", "plain_graphs": "plain_graphs", "afd_eager": "afd_attention",
+                   "afd_ipc_eager": "afd_ipc_attention", "afd_ipc_graphs": "afd_ipcg_attention",
                    "pristine_eager": "pristine_eager"}
 AFD_CONNECTOR = "P2pGlooAFDConnector"
+# AFD variant -> (connector, FULL_DECODE_ONLY graphs on both roles, server name prefix)
+AFD_VARIANTS = {"afd_eager": (AFD_CONNECTOR, False, "afd"),
+                "afd_ipc_eager": ("P2pIpcAFDConnector", False, "afd_ipc"),
+                "afd_ipc_graphs": ("P2pIpcAFDConnector", True, "afd_ipcg")}
+CUDA_ONLY_VARIANTS = ("plain_graphs", "afd_ipc_eager", "afd_ipc_graphs")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -65,8 +74,8 @@ class ServerSpec:
     needs: str | None = None
 
 
-def afd_config_json(role: str, port: int, rendezvous_timeout_s: float) -> str:
-    return json.dumps({"afd": {"role": role, "connector": AFD_CONNECTOR, "host": "127.0.0.1", "port": port,
+def afd_config_json(role: str, port: int, rendezvous_timeout_s: float, connector: str = AFD_CONNECTOR) -> str:
+    return json.dumps({"afd": {"role": role, "connector": connector, "host": "127.0.0.1", "port": port,
                                "rendezvous_timeout_s": rendezvous_timeout_s}}, sort_keys=True)
 
 
@@ -78,12 +87,23 @@ def graph_compilation_json(settings: ServeSettings) -> str:
     return json.dumps(config, sort_keys=True)
 
 
-def server_specs(variants: Sequence[str], settings: ServeSettings, *, afd_port: int,
+def server_specs(variants: Sequence[str], settings: ServeSettings, *, afd_port: int | Mapping[str, int],
                  cpu_env: Mapping[str, str] | None = None) -> list[ServerSpec]:
-    """The processes that serve `variants` (a subset of VARIANT_SERVERS), in start order."""
+    """The processes that serve `variants` (a subset of VARIANT_SERVERS), in start order.
+
+    `afd_port`: the rendezvous port of each AFD variant (a mapping), or one port when the round
+    has one AFD variant.
+    """
     unknown = sorted(set(variants) - set(VARIANT_SERVERS))
     if unknown:
         raise ValueError(f"server_specs: unknown variant(s) {unknown}; expected some of {sorted(VARIANT_SERVERS)}.")
+    afd = [v for v in variants if v in AFD_VARIANTS]
+    ports = afd_port if isinstance(afd_port, Mapping) else ({afd[0]: afd_port} if len(afd) == 1 else {})
+    if sorted(ports) != sorted(afd):
+        raise ValueError(f"server_specs: AFD variants {afd} need one rendezvous port each, got {afd_port!r}; "
+                         "pass afd_port={variant: port}.")
+    if settings.platform != "cuda" and set(variants) & set(CUDA_ONLY_VARIANTS):
+        raise ValueError(f"server_specs: {sorted(set(variants) & set(CUDA_ONLY_VARIANTS))} needs CUDA; drop it on CPU.")
     common = ["--max-model-len", str(settings.max_model_len), "--max-num-seqs", str(settings.max_num_seqs),
               "--seed", "0", *(["--dtype", settings.dtype] if settings.dtype else [])]
     memory = []
@@ -101,18 +121,18 @@ def server_specs(variants: Sequence[str], settings: ServeSettings, *, afd_port: 
             specs.append(ServerSpec(variant, variant, (*common, *memory, *kv_bytes, *eager),
                                     _cpu_env(settings, cpu_env, cores)))
         elif variant == "plain_graphs":
-            if settings.platform != "cuda":
-                raise ValueError("server_specs: plain_graphs needs CUDA; drop it on CPU.")
             specs.append(ServerSpec("plain_graphs", variant, (*common, *memory, *kv_bytes, "--compilation-config",
                                                               graph_compilation_json(settings))))
         else:
-            for role, name in (("ffn", "afd_ffn"), ("attention", "afd_attention")):
-                config = afd_config_json(role, afd_port, settings.rendezvous_timeout_s)
+            connector, graphs, prefix = AFD_VARIANTS[variant]
+            mode = ["--compilation-config", graph_compilation_json(settings)] if graphs else eager
+            for role in ("ffn", "attention"):
+                config = afd_config_json(role, ports[variant], settings.rendezvous_timeout_s, connector)
                 role_kv = kv_bytes if role == "attention" else []
-                specs.append(ServerSpec(name, variant if role == "attention" else None,
-                                        (*common, *memory, *role_kv, *eager, "--additional-config", config),
+                specs.append(ServerSpec(f"{prefix}_{role}", variant if role == "attention" else None,
+                                        (*common, *memory, *role_kv, *mode, "--additional-config", config),
                                         _cpu_env(settings, cpu_env, cores),
-                                        needs="afd_ffn" if role == "attention" else None))
+                                        needs=f"{prefix}_ffn" if role == "attention" else None))
     return [ServerSpec(s.name, s.variant, (*s.args, *settings.extra_args), s.env, s.needs) for s in specs]
 
 

@@ -12,7 +12,7 @@ import time
 from typing import Any
 
 import torch
-from _harness import NUM_EXPERTS, HIDDEN_SIZE, make_connector, make_placement, make_spec
+from _harness import HIDDEN_SIZE, NUM_EXPERTS, make_connector, make_placement, make_spec
 
 from vllm_afd.wire.connector import AFDConnector
 from vllm_afd.wire.messages import RoutingSpec

@@ -1,4 +1,4 @@
-"""The attention-side proxies drive the transport ops in order (AFD_SPEC §4.6, §7.4).
+"""The attention-side proxies drive the transport ops in order (docs/protocol.md#transport-ops-and-torchcompile, docs/models.md#attention-side-proxies).
 
 Each check runs in a child process (op registrations are per process): one registers
 recording stand-ins for `vllm_afd::afd_send` / `afd_recv`, the other the real ops with a

@@ -1,4 +1,4 @@
-"""`register_afd_models`: lazy, idempotent, never replacing an architecture (AFD_SPEC §7.1)."""
+"""`register_afd_models`: lazy, idempotent, never replacing an architecture (docs/models.md#architectures-and-aliases)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""vllm_afd.config: parsing, coercion, validation order and messages (AFD_SPEC §2), hashing."""
+"""vllm_afd.config: parsing, coercion, validation order and messages (docs/config.md), hashing."""
 
 import copy
 import dataclasses
@@ -19,12 +19,13 @@ from vllm_afd.config import (ALIASES, CONNECTORS, GRAPH_FIELDS, ROLES, RUNTIME_O
                              check_p2p_extra_config, get_additional_config, has_afd_config, is_afd_active,
                              parse_afd_config, require_afd_config)
 
-CAM_MESSAGE = ("is an Ascend CAM connector and is not supported; use 'P2pNcclAFDConnector' (CUDA) or "
-               "'P2pGlooAFDConnector' (CPU or a single GPU)")
+CAM_MESSAGE = ("is an Ascend CAM connector and is not supported; use 'P2pNcclAFDConnector' (CUDA, across hosts), "
+               "'P2pIpcAFDConnector' (CUDA, one node) or 'P2pGlooAFDConnector' (CPU, eager)")
 ASYNC_MESSAGE = ("AFD async mode requires connector='CAMAsyncAFDConnector', which is not supported; "
                  "remove 'async_dp' or set it to false")
 UNKNOWN = "unknown AFD config field {!r}; connector-specific values belong under connector_extra_config"
-UNKNOWN_CONNECTOR = "AFD connector must be one of ('P2pNcclAFDConnector', 'P2pGlooAFDConnector')"
+UNKNOWN_CONNECTOR = ("AFD connector must be one of ('P2pNcclAFDConnector', 'P2pGlooAFDConnector', "
+                     "'P2pIpcAFDConnector')")
 DUPLICATE_PORT = "duplicate AFD config field for 'port' (given as 'afd_port' and 'port')"
 
 # id -> (afd mapping, text the message must contain); one table per exception type.
@@ -256,7 +257,7 @@ def test_p2p_extra_config_rule_for_connectors():
         check_p2p_extra_config("P2pGlooAFDConnector", {"a": 1})
 
 
-# --- sources and activation (§2.1, §2.4 step 1) ------------------------------------------------
+# --- sources and activation (docs/config.md#activation-and-sources) ------------------------------------------------
 
 
 @pytest.mark.parametrize("src", [None, {}, {"other": 1}, SimpleNamespace(additional_config=None),

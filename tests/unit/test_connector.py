@@ -16,7 +16,15 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "connectors"))
-from _harness import QueueTransport, free_port, make_connector, make_placement, make_spec, new_wire, pending  # noqa: E402
+from _harness import (  # noqa: E402
+    QueueTransport,
+    free_port,
+    make_connector,
+    make_placement,
+    make_spec,
+    new_wire,
+    pending,
+)
 
 from vllm_afd.wire.connector import MAX_CONTROL_BYTES  # noqa: E402
 from vllm_afd.wire.errors import AFDPeerLostError, AFDProtocolError, AFDRendezvousTimeout  # noqa: E402
@@ -269,8 +277,10 @@ class BrokenTransport(QueueTransport):
 
 def test_a_transport_error_is_a_sticky_lost_peer_naming_the_exchange():
     port, wire = free_port(), new_wire()
-    connectors = [make_connector(make_spec(port), make_placement("ffn", 0, 1, 1), transport=QueueTransport(wire)),
-                  make_connector(make_spec(port), make_placement("attention", 0, 1, 1), transport=BrokenTransport(wire))]
+    connectors = [
+        make_connector(make_spec(port), make_placement("ffn", 0, 1, 1), transport=QueueTransport(wire)),
+        make_connector(make_spec(port), make_placement("attention", 0, 1, 1), transport=BrokenTransport(wire)),
+    ]
     threads = [threading.Thread(target=c.init) for c in connectors]
     for thread in threads:
         thread.start()

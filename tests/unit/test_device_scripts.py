@@ -325,9 +325,11 @@ def _parse(*argv, out="x"):
 
 def test_cli_defaults_and_checks(capsys):
     args = _parse()
-    assert args.phases == ["models", "patch", "gputests", "rtt", "tokens", "bench", "hooks"]
+    assert args.phases == ["models", "patch", "gputests", "rtt", "ipcfloor", "tokens", "bench", "hooks"]
+    assert args.variants == ["plain_eager", "plain_graphs", "afd_eager", "afd_ipc_eager", "afd_ipc_graphs"]
     assert args.models == ["qwen3_moe", "deepseek_v2_mla"] and args.kv_cache_bytes == 2 << 30
-    assert _parse("--platform", "cpu").variants == ["plain_eager", "afd_eager"]
+    cpu = _parse("--platform", "cpu")
+    assert cpu.variants == ["plain_eager", "afd_eager"] and "ipcfloor" not in cpu.phases  # nothing that needs CUDA
     assert _parse("--phases", "bench,patch").phases == ["models", "patch", "bench"]
     assert _parse("--phases", "patch,rtt").phases == ["patch", "rtt"]
     for argv, message in ((["--bench-batches", "1,128"], "exceeds --max-num-seqs"),

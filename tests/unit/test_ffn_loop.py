@@ -1,4 +1,4 @@
-"""The FFN daemon loop and the FFN worker's refusals (docs/ffn.md#daemon-loop, docs/ffn.md#worker-surface-and-refusals).
+"""The FFN loop and the FFN worker's refusals (docs/ffn.md#ffn-loop, docs/ffn.md#worker-surface-and-refusals).
 
 The runner here is a recording stand-in for `AFDFFNModelRunner` (an overlay class, not a
 vLLM one): it serves a scripted list of payloads and records what the loop asked of it.

@@ -1,4 +1,4 @@
-"""Layer classification and the weight-role table (AFD_SPEC §7.2, §7.6): pure, no torch, no vLLM."""
+"""Layer classification and the weight-role table (docs/models.md): pure, no torch, no vLLM."""
 
 from __future__ import annotations
 
@@ -116,7 +116,7 @@ def test_num_routed_experts_reads_each_family_field():
     assert num_routed_experts(deepseek_config(n_routed_experts=None)) == 0
 
 
-# ---- weight-role table (§7.6) --------------------------------------------------------------
+# ---- weight-role table (docs/models.md#weight-loading) --------------------------------------------------------------
 
 # (checkpoint name, role with the gate on the FFN, role with the gate on attention)
 QWEN_TABLE = [

@@ -131,7 +131,8 @@ def test_the_first_op_of_each_forward_publishes_its_rows_once(vllm_config, regis
         context = forward_context(vllm_config, handle, is_profile=step == 0)
         with override_forward_context(context):
             for layer in range(3):
-                assert torch.equal(remote_ffn(torch.zeros(num_rows, 128), None, layer), torch.full((num_rows, 128), 7.0))
+                result = remote_ffn(torch.zeros(num_rows, 128), None, layer)
+                assert torch.equal(result, torch.full((num_rows, 128), 7.0))
         assert context.additional_kwargs[SIDECAR_KEY].published
 
     assert connector.published == [({0: [3]}, {"is_profile": True}), ({0: [5]}, {"is_profile": False})]

@@ -16,7 +16,7 @@ from vllm.config import CUDAGraphMode
 from vllm.forward_context import ForwardContext
 from vllm.v1.worker.gpu.model_runner import GPUModelRunner
 
-from vllm_afd.attention.capture import bind_cudagraph_manager
+from vllm_afd.attention.capture import CaptureArm, bind_cudagraph_manager
 from vllm_afd.attention.mixin import AFDAttentionRunnerMixin
 from vllm_afd.attention.payloads import step_counts
 
@@ -27,6 +27,7 @@ class AFDAttentionModelRunner(AFDAttentionRunnerMixin, GPUModelRunner):
     afd_publishes_per_step = True
 
     def __init__(self, vllm_config: Any, device: Any, afd_config: Any, placement: Any):
+        self.afd_capture_arm = CaptureArm()  # before super(): the context hook is live from there
         super().__init__(vllm_config, device, afd_config, placement)
         self._afd_cudagraph_manager_cls = bind_cudagraph_manager(self)
 
@@ -52,5 +53,6 @@ class AFDAttentionModelRunner(AFDAttentionRunnerMixin, GPUModelRunner):
             None if dp_sync is None else dp_sync.num_tokens_across_dp.tolist())
 
     def _afd_context_runs_model(self, context: ForwardContext) -> bool:
-        # KV-connector and other side contexts carry no batch descriptor.
-        return context.batch_descriptor is not None
+        # FULL warm-up and capture forwards carry no batch descriptor, like KV-connector side
+        # contexts; the capture hook arms the one that follows it (capture.py).
+        return self.afd_capture_arm.runs_model(context.batch_descriptor is not None)

@@ -66,6 +66,9 @@ class ConnectorSpec:
     router_logits_width: int | None = None
     # FFN: persistent receive buffers keyed by (stage, peer, shape), for CUDA-graph replay.
     use_graph_buffers: bool = False
+    # Largest rows one exchange carries per attention rank (vLLM's max_num_batched_tokens); sizes the
+    # slots of a preallocating transport (P2pIpcAFDConnector). None where nothing is preallocated.
+    max_rows: int | None = None
 
 
 class AFDConnector:

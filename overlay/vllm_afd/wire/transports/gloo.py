@@ -42,8 +42,10 @@ class GlooTransport(Transport):
 
     control_device = torch.device("cpu")
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, channels: tuple[str, ...] | None = None) -> None:
         self.device = device
+        # The channels to open (None: all of placement.channels()); the IPC transport keeps only ctrl here.
+        self.channels = channels
         self._groups: dict[str, Any] = {}
         # Host staging buffers for non-CPU tensors, by size in bytes: reused across exchanges.
         self._staging: dict[int, torch.Tensor] = {}
@@ -53,6 +55,8 @@ class GlooTransport(Transport):
 
         timeout = datetime.timedelta(seconds=timeout_s)
         for name, prefix, rank, size in placement.channels():
+            if self.channels is not None and name not in self.channels:
+                continue
             # Creation is bounded by what is left of the rendezvous; traffic by GLOO_OP_TIMEOUT.
             self._groups[name] = ProcessGroupGloo(PrefixStore(prefix, store), rank, size, timeout)
 
