@@ -121,8 +121,10 @@ def test_ffn_serving_another_model_is_refused_by_the_handshake(tiny_model_dir, v
 ], ids=["tp2", "dp2"])
 def test_two_attention_ranks_share_one_ffn(tiny_model_dir, vllm_python, tmp_path, plain_outputs_qwen,
                                            attention_args, attention_cpus):
+    # NOTE: a stalled step (issue: an intermittent TP 2 hang) must fail well before the client's 120 s
+    # read timeout, naming the waiting rank and the transfer it waits in (the watchdog's message).
     afd = AFDDeployment(tiny_model_dir("qwen3_moe"), python=vllm_python, log_dir=tmp_path,
-                        afd_fields={"num_attention_ranks": 2},
+                        afd_fields={"num_attention_ranks": 2, "step_timeout_s": 30},
                         attention_args=attention_args, attention_cpus=attention_cpus)
 
     with afd:

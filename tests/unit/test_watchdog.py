@@ -227,7 +227,10 @@ def test_step_timeout_is_armed_only_after_startup_done(store):
     wait_for(lambda: latch.failure is not None, 3.0)
 
     assert isinstance(latch.failure, AFDStepTimeoutError)
-    assert str(latch.failure) == "AFD step 7 did not complete within step_timeout_s=0.3 (ffn peer rank 0)"
+    assert str(latch.failure) == (
+        "AFD step 7 did not complete within step_timeout_s=0.3 (ffn peer rank 0): attention rank 0 is between "
+        "exchanges (computing, or a payload went missing). Check that rank's log; lower step_timeout_s to "
+        "surface a stall sooner")
     attention.stop()
 
 
@@ -243,11 +246,13 @@ def test_closed_steps_do_not_time_out_but_a_stuck_transfer_does(store):
         attention.step_closed()
     time.sleep(0.5)
     assert latch.failure is None
-    attention.transfer_started()  # an exchange outside any published step (a missed payload)
+    attention.transfer_started("f2a receive from ffn rank 0")  # outside any published step (a missed payload)
     wait_for(lambda: latch.failure is not None, 3.0)
 
     assert isinstance(latch.failure, AFDStepTimeoutError)
     assert str(latch.failure).startswith("AFD step 4 did not complete within step_timeout_s=0.3")
+    assert "attention rank 0 has waited" in str(latch.failure)
+    assert "in 'f2a receive from ffn rank 0'" in str(latch.failure)  # names who waits for whom
     attention.stop()
 
 

@@ -350,7 +350,7 @@ class AFDConnector:
         """One transport call; a transport error becomes the sticky AFDPeerLostError naming the peer."""
         watchdog = self._watchdog
         if timed and watchdog is not None:
-            watchdog.transfer_started()
+            watchdog.transfer_started(f"{label} {peer}")
         try:
             method(*args)
         except RuntimeError as exc:

@@ -184,8 +184,10 @@ class Watchdog:
         self.armed = False
         # (step_seq, opened_at) of the open step, or None.
         self._step: tuple[int | None, float] | None = None
-        # Start of the transport call in flight, or None.
+        # Start of the transport call in flight and what it waits for ("a2f receive from attention
+        # rank 1"), or None.
         self._transfer_since: float | None = None
+        self._transfer_what = ""
         self._last_step_seq: int | None = None
 
     # ---- main-thread interface --------------------------------------------------------------------
@@ -212,7 +214,8 @@ class Watchdog:
     def step_closed(self) -> None:
         self._step = None
 
-    def transfer_started(self) -> None:
+    def transfer_started(self, what: str = "") -> None:
+        self._transfer_what = what
         self._transfer_since = self._clock()
 
     def transfer_finished(self) -> None:
@@ -273,9 +276,16 @@ class Watchdog:
             return None
         step_seq = step[0] if step else self._last_step_seq
         shown = "?" if step_seq is None else step_seq
+        if transfer_since is not None:
+            # NOTE: name who waits for whom: the missing rank is the one this transfer waits on.
+            waiting = (f"{spec.placement.label} has waited {now - transfer_since:.1f}s in "
+                       f"'{self._transfer_what or 'a transfer'}'")
+        else:
+            waiting = f"{spec.placement.label} is between exchanges (computing, or a payload went missing)"
         return AFDStepTimeoutError(
             f"AFD step {shown} did not complete within step_timeout_s={spec.step_timeout_s:g} "
-            f"({spec.step_peer_label})"
+            f"({spec.step_peer_label}): {waiting}. Check that rank's log; lower step_timeout_s to "
+            "surface a stall sooner"
         )
 
     def _store_lost(self, exc: BaseException) -> AFDPeerLostError:

@@ -11,8 +11,8 @@ a slot for the hidden states and, with the gate on attention, one for the router
 each attention rank owns one slot for its FFN output. A slot holds the attention rank's largest
 step (``max_rows``: vLLM's max_num_batched_tokens, published at ``open``). Allocations are exported
 with CUDA IPC at ``open`` and mapped by their senders. Each slot's *ready flag* is a 32-bit word in
-one page of host shared memory (``/dev/shm``) that the data subgroup maps and registers for the
-device: a flag in host memory can be released by a plain CPU store, which no GPU queue blocked on a
+one page of host shared memory (``/dev/shm``, ``shm.py``) that the data subgroup maps and registers
+for the device: a flag in host memory can be released by a plain CPU store, which no GPU queue blocked on a
 wait can hold up (docs/decisions.md, item 20).
 
 Protocol, enqueued on the caller's current stream (no host wait, no kernel; capturable):
@@ -27,7 +27,7 @@ does after it copied exchange e out of j's a2f slots and reset their flags. Symm
 writes j's f2a slot for e+1 only after its stream received a2f e+1 from j, which j's stream sends
 after it copied f2a e out and reset that flag. Both sides count message positions alike
 (positional protocol), every step is whole exchanges, so a replayed graph begins and ends with
-every flag EMPTY (tests/unit/test_ipc_transport.py checks this on a simulated device).
+every flag EMPTY (tests/unit/test_ipc_protocol.py checks this on a simulated device).
 
 Failure. A wait is cyclic >= FULL, so ABORT (2^30) releases it like FULL. ``abort()`` stores ABORT
 into every flag this rank waits on and keeps storing it until ``close()``: a released receive resets
@@ -211,13 +211,14 @@ class IpcTransport(Transport):
         records = _gather(store, prefix, "who", members, deadline)
         check_members(records, own)
         # Peer access is checked by the writer; the verdicts are exchanged, so every rank refuses before it allocates.
-        verdict = next((f"AFD rank {own} cannot write into AFD rank {rank}'s GPU memory: {problem}"
+        verdict = next((f"AFD rank {own} cannot write into AFD rank {rank}'s GPU memory: {issue}"
                         for rank in (members[1:] if placement.role == "ffn" else members[:1])
-                        if (problem := driver.peer_problem(records[rank]["gpu"])) is not None), None)
+                        if (issue := driver.peer_problem(records[rank]["gpu"])) is not None), None)
         store.set(f"{prefix}/access/{own}", json.dumps(verdict))
-        for verdict in [verdict, *_gather(store, prefix, "access", members, deadline).values()]:
-            if verdict is not None:
-                raise RuntimeError(f"{NAME}: {verdict}. Use P2pNcclAFDConnector")
+        if verdict is None:
+            verdict = next(filter(None, _gather(store, prefix, "access", members, deadline).values()), None)
+        if verdict is not None:
+            raise RuntimeError(f"{NAME}: {verdict}. Use P2pNcclAFDConnector")
         plan = plan_slots(self.row_bytes, {g: records[members[g]]["max_rows"] for g in range(1, len(members))})
         try:
             self._take(store, prefix, plan, members, placement.subgroup_rank, deadline)
@@ -328,12 +329,14 @@ class IpcTransport(Transport):
             if self._closed:
                 return
             self._closed = True
-        self._control.close()
         if self._used:
-            # NOTE: as NCCL's abort, close releases this rank's pending waits; the device must drain before
-            # the memory it may still touch is freed. The connector runs close() on a daemon thread.
+            # NOTE: as NCCL's abort, close releases this rank's pending waits (first: nothing else may delay
+            # that); the device must drain before the memory it may still touch is freed. The connector runs
+            # close() on a daemon thread.
             self.release_waits()
             self._hold()
+        self._control.close()
+        if self._used:
             try:
                 self._driver.bind()
                 self._driver.synchronize()
