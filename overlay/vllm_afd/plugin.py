@@ -47,7 +47,28 @@ def register() -> None:
 
     register_afd_models()
     register_vllm_config_hook(apply_afd_config)
+    route_afd_logs_to_vllm()
     _registered = True
+
+
+def route_afd_logs_to_vllm() -> None:
+    """Send the overlay's log lines (logger ``vllm_afd``) through vLLM's own handlers.
+
+    vLLM configures only its ``vllm`` logger namespace, so without this every AFD line below
+    WARNING (FFN graph captures, the FFN loop's state) never reached a server's log, and warnings
+    lost vLLM's format.  Only our own logger is configured; where vLLM's logging is off or
+    replaced (``VLLM_CONFIGURE_LOGGING=0``, a config file without handlers on ``vllm``), ours is
+    left to the root logger as before.
+    """
+    import logging
+
+    ours, theirs = logging.getLogger("vllm_afd"), logging.getLogger("vllm")
+    if ours.handlers or not theirs.handlers:
+        return
+    for handler in theirs.handlers:
+        ours.addHandler(handler)
+    ours.setLevel(theirs.level)
+    ours.propagate = False
 
 
 def current_platform_name() -> str:

@@ -211,6 +211,9 @@ _BACKEND_RES = (re.compile(r"Using (\w+) attention backend"), re.compile(r"Using
                 re.compile(r"Using (\w+) backend\."))
 _MOE_BACKEND_RE = re.compile(r"Using (\w+) MoE backend")
 _GRAPHS_RE = re.compile(r"Graph capturing finished in (\d+) secs")
+# The AFD FFN records its own graphs (one log line per step shape) and warns when it lacks one.
+_FFN_GRAPH_RE = re.compile(r"AFD FFN: captured a CUDA graph")
+_FFN_MISSING_GRAPH_RE = re.compile(r"AFD FFN: the attention replays a CUDA graph for step counts (.*?), which")
 
 
 def scan_log(text: str) -> dict[str, Any]:
@@ -223,7 +226,11 @@ def scan_log(text: str) -> dict[str, Any]:
     moe_backends = list(dict.fromkeys(match.group(1) for match in _MOE_BACKEND_RE.finditer(text)))
     errors = [line for line in text.splitlines() if " ERROR " in line or line.startswith("ERROR")]
     captured = _GRAPHS_RE.search(text)
-    return {"backends": backends, "moe_backends": moe_backends, "graphs_captured": captured is not None,
+    num_ffn_graphs = len(_FFN_GRAPH_RE.findall(text))
+    return {"backends": backends, "moe_backends": moe_backends,
+            "graphs_captured": captured is not None or num_ffn_graphs > 0,
+            "num_ffn_graphs": num_ffn_graphs,
+            "ffn_missing_graphs": _FFN_MISSING_GRAPH_RE.findall(text),
             "graph_capture_s": int(captured.group(1)) if captured else None,
             "num_tracebacks": text.count("Traceback (most recent call last)"),
             "last_error": errors[-1][-300:] if errors else None}

@@ -311,9 +311,22 @@ def test_scan_log():
     facts = serving.scan_log(text)
 
     assert facts == {"backends": ["FLASH_ATTN_MLA"], "moe_backends": ["TritonExperts"], "graphs_captured": True,
-                     "graph_capture_s": 3,
+                     "num_ffn_graphs": 0, "ffn_missing_graphs": [], "graph_capture_s": 3,
                      "num_tracebacks": 1, "last_error": "ERROR 11-29 [core.py:1] EngineCore failed to start."}
     assert serving.scan_log("nothing")["graphs_captured"] is False
+
+
+def test_scan_log_counts_the_ffns_own_graphs_and_names_the_missing_ones():
+    text = ("INFO [runner.py:140] AFD FFN: captured a CUDA graph for step counts ((0, (1,)),)\n"
+            "INFO [runner.py:140] AFD FFN: captured a CUDA graph for step counts ((0, (2,)),)\n"
+            "WARNING [runner.py:150] AFD FFN: the attention replays a CUDA graph for step counts ((0, (3,)),), "
+            "which this FFN did not capture; running those steps eagerly\n")
+
+    facts = serving.scan_log(text)
+
+    assert facts["graphs_captured"] is True
+    assert facts["num_ffn_graphs"] == 2
+    assert facts["ffn_missing_graphs"] == ["((0, (3,)),)"]
 
 
 def _parse(*argv, out="x"):

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from vllm.config import VllmConfig, set_current_vllm_config
 from vllm.forward_context import create_forward_context, override_forward_context
+from vllm.logger import init_logger
 
 from vllm_afd.config import AFDConfig
 from vllm_afd.connect import build_connector
@@ -24,6 +25,8 @@ from vllm_afd.validation import graph_mode
 from vllm_afd.wire.errors import AFDProtocolError
 from vllm_afd.wire.messages import ControlPayload
 from vllm_afd.wire.placement import Placement
+
+logger = init_logger(__name__)
 
 
 class AFDFFNModelRunner:
@@ -41,6 +44,7 @@ class AFDFFNModelRunner:
         self._moe_position: dict[int, int] = {}  # layer index -> index among MoE layers
         self.kv_caches: list[torch.Tensor] = []  # read by CPUWorker; the FFN has none
         self.graphs = FFNGraphCache(device) if self.use_cuda_graph else None
+        self._missing_graphs: set[tuple] = set()  # keys already warned about
         self.connector = build_connector(vllm_config, afd_config, placement, device)
 
     # ---- native worker surface ------------------------------------------------------
@@ -129,16 +133,27 @@ class AFDFFNModelRunner:
         if mode in ("WARMUP", "CAPTURE") and self.graphs is None:
             raise AFDProtocolError("attention is capturing CUDA graphs but this FFN runs "
                                    "eager; launch both roles with the same graph mode")
+        if mode == "EAGER" and payload.is_graph_replaying and self.graphs is not None:
+            self._warn_missing_graph(key)
         with torch.inference_mode(), set_current_vllm_config(self.vllm_config):
             if mode == "REPLAY":
                 # The receive buffers the graph recorded are keyed by shape and never evicted.
                 self.graphs.replay(key)
             elif mode == "CAPTURE":
                 self.graphs.capture(key, lambda: self._forward(payload))
+                logger.info("AFD FFN: captured a CUDA graph for step counts %s", key)
             else:
                 self._forward(payload)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)  # errors surface in this step
+
+    def _warn_missing_graph(self, key: tuple) -> None:
+        """Once per key: the attention replays a graph this FFN never captured (it runs eagerly)."""
+        if key not in self._missing_graphs:
+            self._missing_graphs.add(key)
+            logger.warning("AFD FFN: the attention replays a CUDA graph for step counts %s, which this "
+                           "FFN did not capture; running those steps eagerly (slower, same tokens). "
+                           "Launch both roles with the same cudagraph_capture_sizes", key)
 
     def _forward(self, payload: ControlPayload) -> torch.Tensor:
         layers = (self.model.get_experts_layer_indices() if self.gate_on_attention
