@@ -14,23 +14,29 @@ from __future__ import annotations
 
 import ast
 import datetime
+import json
 import re
+import zipfile
 from pathlib import Path
 from typing import Callable
 
 import _placement
+import _semantic
 import _series
+import _upstream
 import _wheel as wh
+from _semantic import Finding
 
 WS_RE = re.compile(rb"\s+")
 DEF_NAME_RE = re.compile(rb"^\s*(?:async\s+def|def|class)\s+(\w+)")
 
 
-def _source(ref: str, args, out) -> tuple[str, Callable[[str], bytes | None]]:
-    """(title, read) for a version (cached/downloaded wheel), a .whl or a tree."""
+def _source(ref: str, args, out) -> tuple[str, Callable[[str], bytes | None], Callable[[], list[str]]]:
+    """(title, read, python_files) for a version (cached/downloaded wheel), a .whl or a tree."""
     if Path(ref, "vllm").is_dir():
         root = Path(ref)
-        return f"tree {ref}", lambda p: (root / p).read_bytes() if (root / p).is_file() else None
+        return (f"tree {ref}", lambda p: (root / p).read_bytes() if (root / p).is_file() else None,
+                lambda: sorted(p.relative_to(root).as_posix() for p in (root / "vllm").rglob("*.py")))
     wheel = Path(ref) if ref.endswith(".whl") else _release_wheel(ref, args, out)
     cache: dict[str, bytes | None] = {}
 
@@ -38,8 +44,34 @@ def _source(ref: str, args, out) -> tuple[str, Callable[[str], bytes | None]]:
         if path not in cache:
             cache.update(wh.read_members(wheel, [path]))
         return cache[path]
+
+    def python_files() -> list[str]:
+        with zipfile.ZipFile(wheel) as zf:
+            names = [n for n in zf.namelist() if n.startswith("vllm/") and n.endswith(".py")]
+            cache.update({n: zf.read(n) for n in names if n not in cache})
+        return sorted(names)
     name = wh.WheelName.parse(wheel.name)
-    return f"vLLM {name.version} ({name.dist.replace('_', '-')} wheel `{wheel.name}`)", read
+    return f"vLLM {name.version} ({name.dist.replace('_', '-')} wheel `{wheel.name}`)", read, python_files
+
+
+def _pin_source(args, pin, patches, out) -> tuple[Callable[[str], bytes | None] | None, str]:
+    """The pinned release's unpatched files (--src DIR, else its cached wheel), for the checks
+    that compare the pin with the target; (None, why) when unavailable."""
+    if args.src:
+        root = Path(args.src)
+        return (lambda p: (root / p).read_bytes() if (root / p).is_file() else None), f"tree {root}"
+    if "cpu.dist" not in pin and "cuda.dist" not in pin:
+        return None, "the pin names no wheel; pass --src DIR (the pinned vLLM tree)"
+    saved = args.wheel, args.vllm, args.flavor
+    args.wheel, args.vllm = None, None
+    args.flavor = "cpu" if "cpu.dist" in pin else "cuda"  # the smaller wheel
+    try:
+        name, read = _upstream.pristine_sources(args, pin, patches, out, widen=False)[0]
+        return read, name
+    except (wh.ArtifactError, _series.ConfigError) as exc:
+        return None, f"the pinned wheel is unavailable ({exc}); pass --src DIR (the pinned vLLM tree)"
+    finally:
+        args.wheel, args.vllm, args.flavor = saved
 
 
 def _release_wheel(version: str, args, out) -> Path:
@@ -142,7 +174,8 @@ def anchor_problems(patch: _series.Patch, path: str, data: bytes) -> list[str]:
 # --------------------------------------------------------------------------- report
 
 def run_rebase(args, pin, patches, out) -> int:
-    label, read = _source(args.rebase_report, args, out)
+    label, read, python_files = _source(args.rebase_report, args, out)
+    pin_read, pin_name = _pin_source(args, pin, patches, out)
     fuzz = 2 if args.fuzz is None else args.fuzz
     result = _placement.apply_series(patches, read, fuzz=fuzz, max_offset=args.max_offset)
     by_name = {p.name: p for p in patches}
@@ -174,18 +207,32 @@ def run_rebase(args, pin, patches, out) -> int:
                                "build); check the placement and refresh.")
         if status in ("applied", "fuzz"):
             actions += _duplicate_defs(patch, result)
-    semantic = _semantic(patches, result)
-    if semantic:
+    release = f"vLLM {_version_of(label)}" if label.startswith("vLLM") else label
+    findings = _semantic_checks(patches, result, release)
+    findings += _pin_checks(patches, result, pin_read, release)
+    if any(p.first("Category") == "pin-fix" for p in patches):
+        files = ((path, result.after.get(path) or read(path) or b"") for path in python_files())
+        done = {o.name for o in result.outcomes if o.status in ("applied", "fuzz")}
+        findings += [f for p in patches if p.name in done
+                     for f in _semantic.second_copies(p, files, release)]
+    if findings:
         code = _worse(code, 3)
-    text = render(label, pin, patches, result, semantic, actions, code)
+    actions += list(dict.fromkeys(f.action for f in findings))
+    notes = [] if pin_read else [f"ordering and seam-context checks skipped: {pin_name}"]
+    text = render(label, pin, patches, result, findings, actions, code, notes)
     if args.out:
         Path(args.out).write_text(text)
         out.info(f"Wrote {args.out}")
     else:
         print(text)
+    if args.report:
+        Path(args.report).write_text(json.dumps(
+            as_json(label, pin, patches, result, findings, actions, code, notes), indent=1) + "\n")
+        out.info(f"Wrote {args.report}")
     num_ok = sum(1 for o in result.outcomes if o.status == "applied")
     out.info(f"OK: rebase report on {label}: {num_ok} of {len(patches)} patches apply at fuzz 0; "
-             f"exit {code} ({ {0: 'no drift', 1: 'conflicts', 3: 'drift'}[code] })")
+             f"{len(findings)} semantic finding(s); exit {code} "
+             f"({ {0: 'no drift', 1: 'conflicts', 3: 'drift'}[code] })")
     return code
 
 
@@ -212,41 +259,72 @@ def _version_of(label: str) -> str:
     return match.group(1) if match else "<version>"
 
 
-def _semantic(patches: list[_series.Patch], result: _placement.SeriesResult) -> list[str]:
+def _semantic_checks(patches: list[_series.Patch], result: _placement.SeriesResult,
+                     release: str) -> list[Finding]:
+    """compile, new pyflakes undefined names (with their patch) and anchors, per patched file."""
     findings = []
     for path in result.changed:
         data, before = result.after[path], result.before[path]
         if data is None or not path.endswith(".py"):
             continue
+        owners = [p.name for p in patches if any(f.path == path for f in p.files)]
         try:
             compile(data, path, "exec", dont_inherit=True)
         except SyntaxError as exc:
-            findings.append(f"`{path}`: does not compile after patching ({exc.msg}, line {exc.lineno})")
+            findings.append(Finding("compile", "", path, exc.lineno, f"does not compile after patching "
+                                    f"({exc.msg})", f"refresh the patches touching it: {', '.join(owners)}."))
             continue
         new, old = undefined_names(data, path), undefined_names(before or b"", path)
         if new is None:
-            findings.append("pyflakes is not installed: undefined-name check skipped "
-                            "(pip install pyflakes)")
-        elif new - old:
-            owners = [p.name for p in patches if any(f.path == path for f in p.files)]
-            findings.append(f"`{path}`: new pyflakes undefined name(s) {sorted(new - old)} "
-                            f"(patches touching it: {', '.join(owners)})")
+            findings.append(Finding("undefined-name", "", path, None, "pyflakes is not installed: "
+                                    "undefined-name check skipped", "pip install pyflakes and rerun."))
+        else:
+            findings += [_semantic.undefined_name_owner(n, path, patches, before or b"", release)
+                         for n in sorted(new - old)]
         for patch in patches:
             if any(f.path == path for f in patch.files):
-                findings += [f"anchor: {p}" for p in anchor_problems(patch, path, data)]
-    return sorted(set(findings))
+                findings += [Finding("anchor", patch.name, path, None, problem,
+                                     f"`{patch.name}`: update its `Anchor:` lines or move the fence.")
+                             for problem in anchor_problems(patch, path, data)]
+    return findings
 
 
-def render(label, pin, patches, result, semantic, actions, code) -> str:
-    today = datetime.date.today().isoformat()
+def _pin_checks(patches: list[_series.Patch], result: _placement.SeriesResult,
+                pin_read: Callable[[str], bytes | None] | None, release: str) -> list[Finding]:
+    """Ordering around hooks and seam callers: the pinned release against the target."""
+    if pin_read is None:
+        return []
+    pin_result = _placement.apply_series(patches, pin_read)
+    findings = []
+    for patch in patches:
+        for path in sorted({f.path for f in patch.files if f.path.endswith(".py")}):
+            pinned, pin_after, target = pin_read(path), pin_result.after.get(path), result.before.get(path)
+            if pinned is None or target is None:
+                continue
+            if pin_after is not None:
+                findings += _semantic.ordering_changes(patch, path, pin_after, pinned, target, release)
+            findings += _semantic.seam_context_changes(patch, path, pinned, target, release)
+    return findings
+
+
+def _summary(result: _placement.SeriesResult, findings: list[Finding]) -> str:
     counts: dict[str, int] = {}
     for outcome in result.outcomes:
         counts[outcome.status] = counts.get(outcome.status, 0) + 1
+    flagged = {f.patch for f in findings if f.patch}
+    num_flagged = sum(1 for o in result.outcomes if o.status == "applied" and o.name in flagged)
+    parts = [f"{n} {s}" + (f" ({num_flagged} of them with semantic findings)" if s == "applied" and
+                           num_flagged else "") for s, n in sorted(counts.items())]
+    return "Patches: " + ", ".join(parts) + "."
+
+
+def render(label, pin, patches, result, findings, actions, code, notes=()) -> str:
+    today = datetime.date.today().isoformat()
     lines = [f"## {label}", "",
              f"Generated {today} by `scripts/apply_patches.py --rebase-report`; series sha256 "
              f"`{_series.series_sha256(patches)[:16]}` ({len(patches)} patches), VLLM_PIN "
              f"`{pin['commit'][:7]}` (vLLM {pin['version']}). Exit {code}.", "",
-             "Patches: " + ", ".join(f"{n} {s}" for s, n in sorted(counts.items())) + ".", "",
+             _summary(result, findings), "",
              "| patch | file | hunk | expected line | found line | offset | method | status |",
              "|---|---|---|---|---|---|---|---|"]
     for rec in result.records:
@@ -256,7 +334,21 @@ def render(label, pin, patches, result, semantic, actions, code) -> str:
                      f"{'—' if rec.offset is None else f'{rec.offset:+d}'} | {rec.method} | "
                      f"{rec.label}{flag}{' — ' + rec.detail if rec.detail else ''} |")
     lines += ["", "Semantic checks (compile, new pyflakes undefined names vs the unpatched target, "
-              "fences inside declared anchors):", ""]
-    lines += [f"- {s}" for s in semantic] or ["- no findings"]
+              "fences inside declared anchors, statements new before a hook, changed callers of a "
+              "seam, second copies of a pin-fixed expression):", ""]
+    lines += [f"- {f.markdown()}" for f in findings] or ["- no findings"]
+    lines += [f"- note: {n}" for n in notes]
     lines += ["", "Actions:", ""] + ([f"- {a}" for a in actions] or ["- none"]) + [""]
     return "\n".join(lines)
+
+
+def as_json(label, pin, patches, result, findings, actions, code, notes=()) -> dict:
+    """The report as data (docs/rebase-report.json): one entry per target."""
+    return {"target": label, "version": _version_of(label), "generated": datetime.date.today().isoformat(),
+            "pin": {"version": pin["version"], "commit": pin["commit"]},
+            "series_sha256": _series.series_sha256(patches), "exit": code,
+            "patches": [{"name": o.name, "status": o.status, "hunks": [
+                {"path": r.path, "hunk": r.index, "expected": r.expected, "found": r.found,
+                 "offset": r.offset, "method": r.method, "status": r.label, "detail": r.detail}
+                for r in o.records]} for o in result.outcomes],
+            "findings": [f.as_dict() for f in findings], "actions": actions, "notes": list(notes)}

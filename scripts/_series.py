@@ -59,7 +59,40 @@ def read_pin(path: Path) -> dict[str, str]:
         if key not in pin:
             raise ConfigError(f"{path}: key `{key}` missing (have {sorted(pin)}); "
                               f"expected `commit` and `version`. Add it.")
+    if not re.fullmatch(r"[0-9a-f]{7,40}", pin["commit"]):
+        raise ConfigError(f"{path}: commit {pin['commit']!r} is not 7 to 40 hex digits; expected the "
+                          "release's commit (the CUDA wheel's _version.py names its first 9). Fix it.")
     return pin
+
+
+def pin_matches(pin: dict[str, str], ref: str) -> bool:
+    """Does `--vllm REF` (a version or a commit prefix of >= 7 hex) name this pin?
+
+    A pin may hold only the 9-hex prefix a wheel's `_version.py` carries, so a longer REF
+    that extends it matches too."""
+    if ref == pin["version"]:
+        return True
+    return bool(re.fullmatch(r"[0-9a-f]{7,40}", ref)) and (
+        pin["commit"].startswith(ref) or ref.startswith(pin["commit"]))
+
+
+def pin_files(root: Path) -> list[Path]:
+    """Every supported release's pin: VLLM_PIN (the default) and VLLM_PIN-<version> files."""
+    return [Path(root) / "VLLM_PIN"] + sorted(Path(root).glob("VLLM_PIN-*"))
+
+
+def select_pin(root: Path, ref: str | None) -> Path:
+    """The pin file `--vllm REF` names (VLLM_PIN when REF is unset or names no pin file)."""
+    if ref:
+        for path in pin_files(root):
+            if path.is_file() and pin_matches(read_pin(path), ref):
+                return path
+    return Path(root) / "VLLM_PIN"
+
+
+def series_dir(pin_path: Path, pin: dict[str, str]) -> Path:
+    """A pin's series directory: its `patches` key (relative to the pin file), else patches/."""
+    return Path(pin_path).parent / pin.get("patches", "patches")
 
 
 def parse_series(path: Path) -> list[tuple[str, int]]:

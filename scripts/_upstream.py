@@ -15,6 +15,7 @@ import _series
 import _wheel as wh
 from _report import Out
 
+ROOT = Path(__file__).resolve().parent.parent
 VARIANT_FILES = {"vllm/_version.py", "vllm/platforms/__init__.py"}
 
 
@@ -27,12 +28,13 @@ def resolve_ref(args, pin: dict[str, str]) -> tuple[str, Path | None]:
         return "wheel", Path(ref)
     if Path(ref, "vllm").is_dir():
         return "tree", Path(ref)
-    if ref == pin["version"] or (re.fullmatch(r"[0-9a-f]{7,40}", ref) and pin["commit"].startswith(ref)):
+    if _series.pin_matches(pin, ref):
         return "pin", None
+    others = [_series.read_pin(path) for path in _series.pin_files(ROOT) if path.is_file()]
+    known = "; ".join(dict.fromkeys(f"{p['commit'][:12]} = vLLM {p['version']}" for p in [pin] + others))
     raise _series.ConfigError(
-        f"--vllm: unknown vLLM commit or version ({ref!r}); known: {pin['commit'][:12]} = vLLM "
-        f"{pin['version']} (VLLM_PIN). Only PyPI releases are reachable: use --rebase-report "
-        f"<version>, or give a vLLM source tree with --src DIR.")
+        f"--vllm: unknown vLLM commit or version ({ref!r}); known: {known} (VLLM_PIN*). Only PyPI "
+        "releases are reachable: use --rebase-report <version>, or give a vLLM source tree with --src DIR.")
 
 
 def upstream_wheel(args, pin: dict[str, str], flavor: str, out: Out) -> Path:

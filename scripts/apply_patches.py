@@ -50,8 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--vllm", metavar="REF", help="pinned commit (prefix), version, .whl or tree")
     parser.add_argument("--src", metavar="DIR", help="vLLM source tree to check against (any commit)")
     parser.add_argument("--flavor", choices=("cuda", "cpu", "all"), default="cuda")
-    parser.add_argument("--patches", default=str(ROOT / "patches"))
-    parser.add_argument("--pin", default=str(ROOT / "VLLM_PIN"))
+    parser.add_argument("--patches", help="series directory (default: the pin's `patches` key, else "
+                        "patches/)")
+    parser.add_argument("--pin", help="pin file (default: the VLLM_PIN* file --vllm names, else VLLM_PIN)")
     parser.add_argument("--cache", default=str(Path(os.environ.get("XDG_CACHE_HOME") or
                                                     Path.home() / ".cache") / "afd-vllm-wheels"))
     parser.add_argument("--wheel", metavar="PATH", help="use this official wheel")
@@ -126,7 +127,16 @@ def main(argv: list[str] | None = None) -> int:
         return 70
 
 
+def resolve_pin_and_series(args) -> None:
+    """Fill --pin and --patches: `--vllm 5df63a7` picks VLLM_PIN-0.32.0 and its series."""
+    if args.pin is None:
+        args.pin = str(_series.select_pin(ROOT, args.vllm))
+    if args.patches is None:
+        args.patches = str(_series.series_dir(Path(args.pin), _series.read_pin(Path(args.pin))))
+
+
 def _dispatch(args, out: Out) -> int:
+    resolve_pin_and_series(args)
     if args.make_patch:
         return run_make_patch(args, out)
     if args.lint:

@@ -197,6 +197,7 @@ _COERCERS: dict[str, Callable[[str, Any], Any]] = {
     "rendezvous_timeout_s": _coerce_seconds,
     "step_timeout_s": _coerce_seconds,
     "peer_timeout_s": _coerce_seconds,
+    "timeline_dir": _coerce_str,
 }
 
 
@@ -227,6 +228,8 @@ class AFDConfig:
     step_timeout_s: float = 120.0
     # A peer whose heartbeat is unchanged this long, in seconds, is lost.
     peer_timeout_s: float = 5.0
+    # Directory each rank appends its per-step timeline to (docs/timeline.md); "" = no timeline files.
+    timeline_dir: str = ""
 
     def __post_init__(self) -> None:
         # Direct construction obeys the same coercion and rules as parsing (idempotent for parsed input).

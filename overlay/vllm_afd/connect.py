@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "TRANSPORTS", "build_connector", "build_fingerprint", "build_placement", "max_exchange_rows", "native_architecture",
+    "timeline_clock",
 ]
 
 
@@ -54,6 +55,14 @@ def _ipc(device: torch.device, spec: ConnectorSpec | None = None) -> Transport:
         )
     row_bytes = message_row_bytes(spec.hidden_size, spec.dtype, spec.router_logits_width)
     return IpcTransport(device, row_bytes=row_bytes, max_rows=spec.max_rows)
+
+
+def timeline_clock(afd_config: AFDConfig, device_type: str) -> str | None:
+    """The clock the connector stamps (docs/timeline.md): the host's on CPU, always (a few ns per mark;
+    the metrics read it); the GPU's own timer on CUDA when ``timeline_dir`` asks for a timeline; else none."""
+    if device_type == "cpu":
+        return "host"
+    return "device" if afd_config.timeline_dir else None
 
 
 def _pynccl_communicator(store: Any, rank: int, size: int, device: torch.device) -> Any:
@@ -104,16 +113,26 @@ def native_architecture(architecture: str) -> str:
 
 
 def build_fingerprint(vllm_config: VllmConfig, afd_config: AFDConfig, placement: Placement) -> Fingerprint:
-    """This rank's fingerprint; pure computation on the configs (no communication)."""
+    """This rank's fingerprint: the configs plus a sampled digest of the checkpoint files (no communication).
+
+    The digest reads the checkpoint (vllm_afd/checkpoint.py: its headers and a few bytes per tensor),
+    so that an FFN restarted on other weights of the same shapes is refused at the handshake.
+    """
     import vllm
 
     from vllm_afd import __version__ as overlay_version
+    from vllm_afd.checkpoint import checkpoint_digest
     from vllm_afd.models.split import layer_kinds, num_routed_experts
     from vllm_afd.validation import graph_mode
 
     model_config = vllm_config.model_config
+    load_config = vllm_config.load_config
     text_config = model_config.hf_text_config
     architecture = native_architecture(model_config.hf_config.architectures[0])
+    checkpoint = checkpoint_digest(
+        model_config.model, load_format=str(load_config.load_format), revision=model_config.revision,
+        download_dir=load_config.download_dir,
+    )
     return Fingerprint.for_rank(
         placement,
         connector=afd_config.connector,
@@ -127,7 +146,10 @@ def build_fingerprint(vllm_config: VllmConfig, afd_config: AFDConfig, placement:
         layer_kinds=layer_kinds(text_config, architecture),
         num_routed_experts=num_routed_experts(text_config),
         graph_mode=graph_mode(vllm_config),
+        config_digest=checkpoint.config_digest,
+        weights_digest=checkpoint.weights_digest,
         device=str(vllm_config.device_config.device_type),
+        checkpoint=checkpoint.source,
     )
 
 
@@ -153,5 +175,6 @@ def build_connector(
         router_logits_width=fingerprint.num_routed_experts if gate_on_attention else None,
         use_graph_buffers=fingerprint.graph_mode != "eager",
         max_rows=max_exchange_rows(vllm_config),
+        timeline_clock=timeline_clock(afd_config, device.type),
     )
     return AFDConnector(spec, placement, TRANSPORTS[afd_config.connector](device, spec), fingerprint)

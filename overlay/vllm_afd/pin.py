@@ -6,7 +6,8 @@ distribution silently replaces the hooks.  The patched build carries
 `vllm/_afd_provenance.json` (written by scripts/apply_patches.py); this module checks it
 names the pinned commit and the hooks the overlay calls, and re-hashes every patched file.
 
-The pin constants below equal `VLLM_PIN` at the repository root (a test keeps them equal).
+The supported releases and their pins live in `releases.py` (one entry per `VLLM_PIN*`
+file); a stamp naming any of them is accepted, with that release's required hooks.
 """
 
 from __future__ import annotations
@@ -16,22 +17,20 @@ import importlib.util
 import json
 from pathlib import Path
 
-PIN_COMMIT = "ced6857afa0ea7b2e3f0846a62e1394e90f15607"
-PIN_VERSION = "0.30.0"
+from vllm_afd.releases import RELEASES, SUPPORTED_VERSIONS, release_for_commit
+
+# The default (oldest supported) release: VLLM_PIN.
+PIN_COMMIT = RELEASES[0].commit
+PIN_VERSION = RELEASES[0].version
 STAMP_NAME = "_afd_provenance.json"
-# Patches whose hooks the overlay calls on every platform (the MRV2 ones only on CUDA,
-# where importing the MRV2 runner fails loudly if they are missing).
-REQUIRED_PATCHES = (
-    "worker-add-make-model-runner",
-    "cpu-worker-add-make-model-runner",
-    "forward-context-add-hook-registry",
-    "config-add-vllm-config-hooks",
-    "serving-add-request-veto",
-)
+REQUIRED_PATCHES = RELEASES[0].required_patches
+_VERSIONS = " or ".join(SUPPORTED_VERSIONS)
+_BUILDS = " or ".join(f"--vllm {r.short}" for r in RELEASES)
 BUILD_HINT = (
-    "Build and install it: python scripts/apply_patches.py --vllm ced6857 --flavor cpu "
-    "(or cuda) && pip install --no-deps --force-reinstall dist/<the wheel>, or patch the "
-    "installed tree: python scripts/apply_patches.py --apply-to <site-packages>."
+    f"Build and install it: python scripts/apply_patches.py {_BUILDS} (vLLM {_VERSIONS}) "
+    "--flavor cpu (or cuda) && pip install --no-deps "
+    "--force-reinstall dist/<the wheel>, or patch the installed tree: python "
+    "scripts/apply_patches.py --vllm <version> --apply-to <site-packages>."
 )
 
 
@@ -40,7 +39,7 @@ def vllm_package_dir() -> Path:
     spec = importlib.util.find_spec("vllm")
     if spec is None or not spec.submodule_search_locations:
         raise RuntimeError(f"vllm_afd: vLLM is not installed; expected the patched vLLM "
-                           f"{PIN_VERSION}. {BUILD_HINT}")
+                           f"{_VERSIONS}. {BUILD_HINT}")
     return Path(list(spec.submodule_search_locations)[0])
 
 
@@ -55,11 +54,14 @@ def stamp_problems(stamp: dict, package_dir: Path) -> list[str]:
     """Why the stamped tree is not the build this overlay needs (empty: it is)."""
     problems = []
     upstream = stamp["upstream"]
-    if upstream["commit"] != PIN_COMMIT or upstream["version"] != PIN_VERSION:
+    release = release_for_commit(upstream["commit"])
+    if release is None or upstream["version"] != release.version:
+        expected = " or ".join(f"{r.version} at {r.short}" for r in RELEASES)
         problems.append(f"stamp names vLLM {upstream['version']} at {upstream['commit'][:7]}, "
-                        f"expected {PIN_VERSION} at {PIN_COMMIT[:7]}")
+                        f"expected {expected}")
+        release = RELEASES[0]
     names = {patch["name"].removesuffix(".patch") for patch in stamp["patches"]}
-    missing = [name for name in REQUIRED_PATCHES if name not in names]
+    missing = [name for name in release.required_patches if name not in names]
     if missing:
         problems.append(f"stamp lacks the patches {', '.join(missing)}")
     root = package_dir.parent
@@ -81,7 +83,7 @@ def check_installed_vllm() -> dict:
     if stamp is None:
         raise RuntimeError(
             f"vllm_afd: the installed vLLM at {package_dir} is not the patched build "
-            f"(vllm/{STAMP_NAME} missing); expected vLLM {PIN_VERSION} with the AFD hook "
+            f"(vllm/{STAMP_NAME} missing); expected vLLM {_VERSIONS} with the AFD hook "
             f"series. {BUILD_HINT} To run this vLLM without AFD, uninstall vllm-afd or set "
             "VLLM_PLUGINS to a list without 'afd'."
         )

@@ -7,8 +7,9 @@ registers two things through official seams:
 * the AFD model aliases (`ModelRegistry.register_model` with lazy "module:Class" strings);
 * a vLLM config hook (patch `config-add-vllm-config-hooks`).  The hook does nothing unless
   `additional_config["afd"]` is present; then it validates the AFD config, picks the
-  role's worker class while `worker_cls` is still "auto", and applies the role defaults
-  (the FFN's front-end request veto, the attention server's keep-alive on engine death).
+  role's worker class while `worker_cls` is still "auto", applies the role defaults
+  (the FFN's front-end request veto, the attention server's keep-alive on engine death)
+  and, in the root process, exposes the workers' AFD metrics on /metrics (metrics.py).
 
 Forward-context hooks are never registered here: the attention runner registers its own
 in `__init__` and removes it in `shutdown`, so FFN and non-AFD processes never see one.
@@ -91,7 +92,11 @@ def apply_afd_config(vllm_config: VllmConfig) -> None:
     afd = parse_afd_config(vllm_config)
     if afd is None:
         return
+    from vllm_afd.metrics import expose_worker_metrics
     from vllm_afd.validation import check_worker_stack, worker_class_for
+
+    # NOTE: before the engine core starts: its processes inherit the metrics directory (docs/metrics.md).
+    expose_worker_metrics()
 
     parallel = vllm_config.parallel_config
     platform = current_platform_name()

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from vllm_afd.config import AFDConfig
+from vllm_afd.releases import compile_sequence_parallelism
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -142,7 +143,7 @@ def check_features(vllm_config: VllmConfig, afd: AFDConfig, platform: str) -> No
         _reject("elastic expert parallelism", "--enable-elastic-ep")
     if parallel.use_sequence_parallel_moe:
         _reject("sequence-parallel MoE", "sequence parallelism for MoE")
-    if vllm_config.compilation_config.pass_config.enable_sp:
+    if compile_sequence_parallelism(vllm_config.compilation_config):
         _reject("compile-time sequence parallelism", "pass_config.enable_sp")
     if vllm_config.speculative_config is not None:
         _reject("speculative decoding", "--speculative-config")

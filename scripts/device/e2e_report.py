@@ -376,6 +376,13 @@ def render_markdown(summary: Mapping[str, Any], extra: Sequence[str] = ()) -> st
         lines += ["", "### Hook cost, AFD off (patched vs pristine vLLM, eager)", "",
                   f"{pristine.get('model')}: tokens {'identical' if same else '**DIFFERENT**'}; "
                   f"tok/s patched / pristine: {rates or '—'} (sequential runs, not interleaved)"]
+    for arch, tables in summary.get("timeline", {}).items():
+        lines += ["", f"### Timeline, {arch} (docs/timeline.md)", ""]
+        if isinstance(tables, Mapping) and "error" not in tables:
+            for variant, table in tables.items():
+                lines += [f"{variant}:", "", str(table).strip(), ""]
+        else:
+            lines += [f"{tables}"]
     lines += _failure_lines(summary.get("servers", {}))
     hooks = phases.get("hooks")
     if hooks:

@@ -52,7 +52,7 @@ sys.path.insert(0, str(HARNESS))  # serving.py starts the servers through afd_ha
 
 # The gputests phase: the repo's tests that need a GPU, plus the CUDA path's pure tests.
 GPU_TESTS = ("tests/connectors/test_connectors_cuda.py", "tests/connectors/test_ipc_cuda.py",
-             "tests/unit/test_ffn_graphs_cuda.py", "tests/unit/test_cuda_path.py")
+             "tests/unit/test_ffn_graphs_cuda.py", "tests/unit/test_cuda_path.py", "tests/unit/test_timeline_cuda.py")
 # Servers of a round (serving.VARIANT_SERVERS); plain_eager is the baseline of every comparison.
 VARIANTS = ("plain_eager", "plain_graphs", "afd_eager", "afd_ipc_eager", "afd_ipc_graphs")
 CUDA_ONLY = ("plain_graphs", "afd_ipc_eager", "afd_ipc_graphs")
@@ -115,6 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
     add("--graph-compile", choices=("none", "vllm"), default="none",
         help="plain_graphs: FULL_DECODE_ONLY without torch.compile (none) or with vLLM's default compile")
     add("--serve-args", default="", help="extra flags for every vllm serve")
+    add("--timeline", action="store_true",
+        help="AFD ranks stamp their per-layer timeline (docs/timeline.md) into OUT/timeline/<model>/<variant>; "
+             "each round then writes timeline.md and timeline.png there (stamps cost a little throughput)")
     add("--token-max-tokens", type=int, default=24)
     add("--bench-batches", type=_arg(lambda s: report.parse_int_list(s, "--bench-batches")), default=[1, 32])
     add("--bench-tokens", type=int, default=128)

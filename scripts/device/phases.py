@@ -13,6 +13,7 @@ import os
 import shlex
 import shutil
 import signal
+import subprocess
 import sys
 import time
 import traceback
@@ -236,7 +237,8 @@ def serve_round(run: Run, arch: str, variants: list[str], *, do_tokens: bool, do
         gpu_mem_util=args.gpu_mem_util, kv_cache_bytes=args.kv_cache_bytes,
         capture_sizes=tuple(sorted({1, 2, 4, 8, 16, 32, 64, *args.bench_batches} - {0})),
         graph_compile=args.graph_compile, rendezvous_timeout_s=max(60.0, args.startup_timeout_s - 30),
-        extra_args=tuple(shlex.split(args.serve_args)))
+        extra_args=tuple(shlex.split(args.serve_args)),
+        timeline_dir=str(run.out_dir / "timeline" / arch) if args.timeline else "")
     cpu_env = model.get("serve_env", {}) if args.platform == "cpu" else {}
     ports = {variant: _free_port() for variant in variants if variant in serving.AFD_VARIANTS}
     specs = serving.server_specs(variants, settings, afd_port=ports, cpu_env=cpu_env)
@@ -274,7 +276,20 @@ def serve_round(run: Run, arch: str, variants: list[str], *, do_tokens: bool, do
                 text = server.log_path.read_text(errors="replace")
                 infos[name].update(serving.scan_log(text))
                 infos[name]["num_tracebacks_serving"] = serving.scan_log(text[:serving_sizes[name]])["num_tracebacks"]
+        if settings.timeline_dir:
+            result["timeline"] = _guarded(lambda: timeline_reports(Path(settings.timeline_dir)))
     return result
+
+
+def timeline_reports(root: Path) -> dict[str, str]:
+    """scripts/timeline_report.py on each AFD variant's timeline files: markdown per variant (+ md and png)."""
+    tables = {}
+    for directory in sorted(p for p in root.iterdir() if p.is_dir()):
+        done = subprocess.run([sys.executable, str(REPO / "scripts" / "timeline_report.py"), str(directory),
+                               "--png", str(directory / "timeline.png"), "--markdown", str(directory / "timeline.md")],
+                              capture_output=True, text=True, timeout=120)
+        tables[directory.name] = done.stdout if done.returncode == 0 else f"failed: {done.stderr[-2000:]}"
+    return tables
 
 
 def _size(path: Path) -> int:
@@ -318,6 +333,8 @@ def phase_serve(run: Run, do_tokens: bool, do_bench: bool) -> None:
         not_up = sorted(set(result["variants"]) - set(result.get("variants_up", [])))
         if not_up:
             failures.append(f"{arch}: servers not up for {', '.join(not_up)} (see the Servers table)")
+        if "timeline" in result:
+            run.summary.setdefault("timeline", {})[arch] = result["timeline"]
         if do_tokens:
             records["tokens"]["models"][arch] = round_records.tokens_record(result)
         if do_bench:

@@ -58,6 +58,8 @@ class ServeSettings:
     graph_compile: str = "none"  # "none": -cc.mode 0 (graphs without torch.compile); "vllm": vLLM's default
     rendezvous_timeout_s: float = 240.0
     extra_args: tuple[str, ...] = ()
+    # Non-empty: every AFD variant's ranks append their timeline to <timeline_dir>/<variant>/ (docs/timeline.md).
+    timeline_dir: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,9 +76,13 @@ class ServerSpec:
     needs: str | None = None
 
 
-def afd_config_json(role: str, port: int, rendezvous_timeout_s: float, connector: str = AFD_CONNECTOR) -> str:
-    return json.dumps({"afd": {"role": role, "connector": connector, "host": "127.0.0.1", "port": port,
-                               "rendezvous_timeout_s": rendezvous_timeout_s}}, sort_keys=True)
+def afd_config_json(role: str, port: int, rendezvous_timeout_s: float, connector: str = AFD_CONNECTOR,
+                    timeline_dir: str = "") -> str:
+    config = {"role": role, "connector": connector, "host": "127.0.0.1", "port": port,
+              "rendezvous_timeout_s": rendezvous_timeout_s}
+    if timeline_dir:
+        config["timeline_dir"] = timeline_dir
+    return json.dumps({"afd": config}, sort_keys=True)
 
 
 def graph_compilation_json(settings: ServeSettings) -> str:
@@ -127,7 +133,8 @@ def server_specs(variants: Sequence[str], settings: ServeSettings, *, afd_port: 
             connector, graphs, prefix = AFD_VARIANTS[variant]
             mode = ["--compilation-config", graph_compilation_json(settings)] if graphs else eager
             for role in ("ffn", "attention"):
-                config = afd_config_json(role, ports[variant], settings.rendezvous_timeout_s, connector)
+                timeline = f"{settings.timeline_dir}/{variant}" if settings.timeline_dir else ""
+                config = afd_config_json(role, ports[variant], settings.rendezvous_timeout_s, connector, timeline)
                 role_kv = kv_bytes if role == "attention" else []
                 specs.append(ServerSpec(f"{prefix}_{role}", variant if role == "attention" else None,
                                         (*common, *memory, *role_kv, *mode, "--additional-config", config),

@@ -29,6 +29,9 @@ MODEL_FACTS = dict(
     layer_kinds="DMMM",
     num_routed_experts=8,
     graph_mode="eager",
+    config_digest="sha256:c0c0c0c0c0c0c0c0",
+    weights_digest="sha256:0123456789abcdef",
+    checkpoint="/models/qwen3_moe",
 )
 
 
@@ -56,7 +59,7 @@ def test_for_rank_fills_role_and_rank_facts_from_the_placement():
     fingerprint = Fingerprint.for_rank(placement, connector="P2pNcclAFDConnector", compute_gate_on_attention=True,
                                        device="cpu", **MODEL_FACTS)
 
-    assert fingerprint.protocol_version == PROTOCOL_VERSION == 2
+    assert fingerprint.protocol_version == PROTOCOL_VERSION == 3
     assert (fingerprint.role, fingerprint.role_rank, fingerprint.label) == ("ffn", 1, "ffn rank 1")
     assert (fingerprint.num_attention_ranks, fingerprint.num_ffn_ranks) == (4, 2)
     assert (fingerprint.dp_size, fingerprint.tp_size) == (2, 1)
@@ -111,7 +114,8 @@ _OTHER_VALUES = {
     "architecture": "DeepseekV2ForCausalLM", "hidden_size": 1024, "num_hidden_layers": 3, "dtype": "float16",
     "layer_kinds": "DDMM", "num_routed_experts": 16, "connector": "P2pGlooAFDConnector",
     "num_attention_ranks": 2, "num_ffn_ranks": 2, "compute_gate_on_attention": True,
-    "graph_mode": "FULL_DECODE_ONLY",
+    "graph_mode": "FULL_DECODE_ONLY", "config_digest": "sha256:c1c1c1c1c1c1c1c1",
+    "weights_digest": "sha256:fedcba9876543210",
 }
 
 
@@ -179,7 +183,7 @@ def test_layout_is_not_checked_without_the_other_role():
     compare_fingerprints(prints[0], prints)
 
 
-@pytest.mark.parametrize("version", [1, 3])
+@pytest.mark.parametrize("version", [1, 2, 4])
 def test_peer_of_another_protocol_version_is_a_mismatch_even_if_unreadable(version):
     body = json.loads(fingerprints()[0].to_json())
     body.update(protocol_version=version, hidden_size=None)
@@ -189,7 +193,7 @@ def test_peer_of_another_protocol_version_is_a_mismatch_even_if_unreadable(versi
         Fingerprint.from_json(json.dumps(body))
 
     assert str(info.value) == (
-        f"AFD configuration mismatch between this rank and ffn rank 0: protocol_version (local=2, peer={version}). "
+        f"AFD configuration mismatch between this rank and ffn rank 0: protocol_version (local=3, peer={version}). "
         "Run the same vllm_afd version on every rank"
     )
 
@@ -201,7 +205,7 @@ def test_a_readable_peer_of_protocol_1_fails_the_comparison_on_both_sides():
 
     for local, peer in ((attention, old), (old, attention)):
         with pytest.raises(AFDConfigMismatchError,
-                           match=r"protocol_version \((attention=2, ffn=1|ffn=1, attention=2)\)"):
+                           match=r"protocol_version \((attention=3, ffn=1|ffn=1, attention=3)\)"):
             compare_fingerprints(local, [peer])
 
 
@@ -231,3 +235,65 @@ def test_layer_kinds_has_one_char_per_layer(is_moe):
 
     assert len(kinds) == len(is_moe)
     assert [kind == "M" for kind in kinds] == is_moe
+
+
+# ---- checkpoint digests (docs/connection.md#checkpoint-digests) ---------------------------------------------
+
+
+def test_other_weights_of_the_same_shapes_fail_on_both_sides_naming_both_checkpoints():
+    """Issue 15: an FFN restarted on other weights of the same architecture and shapes served wrong tokens."""
+    prints = by_label(fingerprints(overrides={("ffn", 0): {"weights_digest": "sha256:9999999999999999",
+                                                           "checkpoint": "/other/qwen3_moe-seed1"}}))
+
+    for local, peer in (("attention rank 0", "ffn rank 0"), ("ffn rank 0", "attention rank 0")):
+        with pytest.raises(AFDConfigMismatchError) as info:
+            compare_fingerprints(prints[local], [prints[peer]])
+        message = str(info.value)
+        assert "weights_digest (" in message and "ffn=sha256:9999999999999999" in message
+        assert "attention=sha256:0123456789abcdef" in message
+        assert "The roles loaded different checkpoints: " in message
+        assert ("attention rank 0 loaded /models/qwen3_moe (weights sha256:0123456789abcdef, config "
+                "sha256:c0c0c0c0c0c0c0c0)") in message
+        assert "ffn rank 0 loaded /other/qwen3_moe-seed1 (weights sha256:9999999999999999" in message
+        assert "Start both roles on the same checkpoint" in message
+
+
+def test_copies_of_one_checkpoint_at_different_paths_agree():
+    prints = fingerprints(overrides={("ffn", 0): {"checkpoint": "/mnt/host2/copy"}})
+
+    for local in prints:
+        compare_fingerprints(local, prints)
+
+
+def test_dummy_weights_on_one_role_only_are_a_mismatch():
+    prints = by_label(fingerprints(overrides={("ffn", 0): {"weights_digest": "dummy"}}))
+
+    with pytest.raises(AFDConfigMismatchError, match=r"weights_digest \(attention=sha256:0123456789abcdef, ffn=dummy\)"):
+        compare_fingerprints(prints["attention rank 0"], [prints["ffn rank 0"]])
+
+
+_DIGESTS = st.sampled_from(["sha256:0123456789abcdef", "sha256:fedcba9876543210", "dummy",
+                            "unknown (not given)", "unknown ('org/model' is not a local path and not in the hub cache yet)"])
+
+
+@given(field=st.sampled_from(["config_digest", "weights_digest"]), ffn_digest=_DIGESTS, attention_digest=_DIGESTS)
+def test_a_digest_is_compared_unless_either_side_could_not_compute_it(field, ffn_digest, attention_digest):
+    prints = by_label(fingerprints(overrides={("ffn", 0): {field: ffn_digest}, ("attention", 0): {field: attention_digest}}))
+    unknown = ffn_digest.startswith("unknown") or attention_digest.startswith("unknown")
+
+    if unknown or ffn_digest == attention_digest:
+        compare_fingerprints(prints["attention rank 0"], [prints["ffn rank 0"]])
+    else:
+        with pytest.raises(AFDConfigMismatchError, match=f"{field} "):
+            compare_fingerprints(prints["attention rank 0"], [prints["ffn rank 0"]])
+
+
+def test_callers_without_a_model_publish_unknown_digests():
+    placement = Placement("attention", 0, 1, 1)
+    facts = {name: value for name, value in MODEL_FACTS.items()
+             if name not in ("config_digest", "weights_digest", "checkpoint")}
+
+    fingerprint = Fingerprint.for_rank(placement, connector="c", compute_gate_on_attention=False, device="cpu", **facts)
+
+    assert fingerprint.weights_digest.startswith("unknown") and fingerprint.config_digest.startswith("unknown")
+    assert Fingerprint.from_json(fingerprint.to_json()) == fingerprint

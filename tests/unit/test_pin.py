@@ -1,18 +1,20 @@
-"""pin.py: the constants equal VLLM_PIN, and a replaced or unpatched vLLM is refused."""
+"""pin.py and releases.py: the pins equal VLLM_PIN*, and a replaced or unpatched vLLM is refused."""
 
 import hashlib
 import json
 from pathlib import Path
 
 
-from vllm_afd import pin
+import pytest
+
+from vllm_afd import pin, releases
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def read_vllm_pin() -> dict[str, str]:
+def read_vllm_pin(name: str = "VLLM_PIN") -> dict[str, str]:
     values = {}
-    for line in (ROOT / "VLLM_PIN").read_text().splitlines():
+    for line in (ROOT / name).read_text().splitlines():
         line = line.split("#", 1)[0].strip()
         if line:
             key, value = (part.strip() for part in line.split("=", 1))
@@ -27,13 +29,32 @@ def test_constants_equal_vllm_pin():
     assert pin.PIN_VERSION == values["version"]
 
 
-def make_tree(tmp_path: Path, *, commit=pin.PIN_COMMIT, patches=pin.REQUIRED_PATCHES):
+@pytest.mark.parametrize("release", releases.RELEASES, ids=lambda r: r.version)
+def test_every_release_equals_its_pin_file(release):
+    values = read_vllm_pin(release.pin_file)
+
+    assert (release.commit, release.version) == (values["commit"], values["version"])
+
+
+def test_every_pin_file_is_a_release():
+    names = sorted(path.name for path in ROOT.glob("VLLM_PIN*"))
+
+    assert names == sorted(release.pin_file for release in releases.RELEASES)
+
+
+def test_unsupported_version_names_the_supported_ones():
+    with pytest.raises(RuntimeError, match=r"vLLM 0\.31\.0 is not a supported release; expected one of "
+                                           r"0\.30\.0, 0\.32\.0"):
+        releases.release_for("0.31.0")
+
+
+def make_tree(tmp_path: Path, *, commit=pin.PIN_COMMIT, patches=pin.REQUIRED_PATCHES, version="0.30.0"):
     package = tmp_path / "vllm"
     package.mkdir()
     hooked = package / "forward_context.py"
     hooked.write_bytes(b"# ### PATCH START: x\n")
     stamp = {
-        "upstream": {"commit": commit, "version": "0.30.0"},
+        "upstream": {"commit": commit, "version": version},
         "patches": [{"name": f"{name}.patch"} for name in patches],
         "files": {"vllm/forward_context.py": {
             "sha256": hashlib.sha256(hooked.read_bytes()).hexdigest()}},
@@ -46,6 +67,23 @@ def test_matching_stamp_has_no_problems(tmp_path):
     package, stamp = make_tree(tmp_path)
 
     assert pin.stamp_problems(stamp, package) == []
+
+
+def test_second_release_stamp_without_the_upstreamed_patch_is_accepted(tmp_path):
+    second = releases.RELEASES[1]
+    package, stamp = make_tree(tmp_path, commit=second.commit, patches=second.required_patches,
+                               version=second.version)
+
+    assert "worker-add-make-model-runner" not in second.required_patches
+    assert pin.stamp_problems(stamp, package) == []
+
+
+def test_stamp_mixing_one_release_commit_with_another_version_is_refused(tmp_path):
+    package, stamp = make_tree(tmp_path, version="0.32.0")
+
+    problems = " ".join(pin.stamp_problems(stamp, package))
+
+    assert "stamp names vLLM 0.32.0 at ced6857, expected 0.30.0 at ced6857 or 0.32.0 at 5df63a7" in problems
 
 
 def test_edited_patched_file_is_reported(tmp_path):

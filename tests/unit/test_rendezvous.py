@@ -166,3 +166,78 @@ def test_invalid_layout_fails_every_rank():
     for result in results.values():
         assert isinstance(result, AFDLayoutError), result
         assert "TP peers of FFN DP rank 0 would receive different tokens" in str(result)
+
+
+# ---- what a waiting rank logs (issue 15: ~700 lines a minute of TCPStore retry traces, no AFD line) ---------
+
+
+class FakeTime:
+    """A clock that moves only when the rendezvous sleeps: the waits run at once, the log cadence is exact."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def clock(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def waiting_lines(caplog):
+    return [record for record in caplog.records if "waiting for" in record.getMessage()]
+
+
+def test_a_rank_waiting_for_the_store_logs_one_line_per_interval_and_no_trace(caplog, capfd):
+    port = free_port()  # nobody listens there
+    fake = FakeTime()
+    rendezvous = Rendezvous(spec("attention", 0, 1, 1, port, timeout_s=25.0), clock=fake.clock, sleep=fake.sleep,
+                            log_interval_s=10.0)
+    caplog.set_level("INFO", logger="vllm_afd.wire.rendezvous")
+
+    with pytest.raises(AFDRendezvousTimeout, match="cannot reach the AFD rendezvous store"):
+        rendezvous.connect()
+
+    lines = [record.getMessage() for record in waiting_lines(caplog)]
+    assert lines == [
+        f"AFD attention rank 0: waiting for FFN rank 0 (the rendezvous store) at 127.0.0.1:{port} "
+        f"(rendezvous, {elapsed} s of 25 s)" for elapsed in (10, 20)
+    ]
+    assert all(record.exc_info is None and record.levelname == "INFO" for record in caplog.records)
+    output = capfd.readouterr()
+    for trace_text in ("frame #", "TCPStore.cpp", "socket.cpp", "Traceback"):
+        assert trace_text not in output.err + output.out + caplog.text
+
+
+def test_knocking_leaves_the_store_serving_clients_and_silent(capfd):
+    port = free_port()
+    host = Rendezvous(spec("ffn", 0, 1, 1, port))
+    store = host.connect()
+    client = Rendezvous(spec("attention", 0, 1, 1, port))
+
+    for _ in range(20):
+        client._knock(1.0)
+    other = client.connect_client()
+    other.set("afd/test/key", "value")
+
+    assert store.get("afd/test/key") == b"value"
+    output = capfd.readouterr()
+    assert "frame #" not in output.err and "[c10d]" not in output.err
+
+
+def test_a_rank_waiting_for_fingerprints_names_the_missing_ranks(caplog):
+    port = free_port()
+    fake = FakeTime()
+    rendezvous = Rendezvous(spec("ffn", 0, 2, 1, port, timeout_s=15.0), clock=fake.clock, sleep=fake.sleep,
+                            log_interval_s=10.0)
+    placement = place("ffn", 0, 2, 1)
+    fingerprint = Fingerprint.for_rank(placement, connector="P2pGlooAFDConnector", compute_gate_on_attention=False,
+                                       hostname="localhost", pid=0, **MODEL_FACTS)
+    caplog.set_level("INFO", logger="vllm_afd.wire.rendezvous")
+
+    with pytest.raises(AFDRendezvousTimeout, match=r"missing: attention \[0 1\]"):
+        rendezvous.run(fingerprint)
+
+    assert [record.getMessage() for record in waiting_lines(caplog)] == [
+        f"AFD ffn rank 0: waiting for attention [0 1] at 127.0.0.1:{port} (handshake, 10 s of 15 s)"
+    ]

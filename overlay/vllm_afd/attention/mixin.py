@@ -24,6 +24,7 @@ from vllm_afd.models.proxy import (
     register_connector,
     unregister_connector,
 )
+from vllm_afd.telemetry import Telemetry
 from vllm_afd.wire.placement import Placement
 
 
@@ -39,8 +40,10 @@ class AFDAttentionRunnerMixin:
         self._afd_unhook: Any = None
         self._afd_handle: int | None = None
         self._afd_in_profile = False
+        self._afd_telemetry: Telemetry | None = None
         self.afd_connector = build_connector(vllm_config, afd_config, placement, self.device)
         try:
+            self._afd_telemetry = Telemetry(afd_config, placement, self.afd_connector)
             self._afd_handle = register_connector(self.afd_connector)
             self._afd_unhook = register_forward_context_hook(self._install_afd_sidecar)
         except BaseException:
@@ -75,12 +78,15 @@ class AFDAttentionRunnerMixin:
             unregister_connector(self._afd_handle)
             self._afd_handle = None
         self.afd_connector.close()
+        if self._afd_telemetry is not None:
+            self._afd_telemetry.close()
 
     # ---- check points ---------------------------------------------------------------
     def execute_model(self, *args: Any, **kwargs: Any) -> Any:
         self.afd_connector.check_failed()
         output = super().execute_model(*args, **kwargs)
         self.afd_connector.check_failed()
+        self._afd_telemetry.after_step()
         return output
 
     def afd_mark_startup_done(self) -> None:

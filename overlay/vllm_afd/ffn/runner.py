@@ -21,6 +21,7 @@ from vllm.logger import init_logger
 from vllm_afd.config import AFDConfig
 from vllm_afd.connect import build_connector
 from vllm_afd.ffn.graphs import FFNGraphCache, graph_key, run_mode
+from vllm_afd.telemetry import Telemetry
 from vllm_afd.validation import graph_mode
 from vllm_afd.wire.errors import AFDProtocolError
 from vllm_afd.wire.messages import ControlPayload
@@ -46,6 +47,7 @@ class AFDFFNModelRunner:
         self.graphs = FFNGraphCache(device) if self.use_cuda_graph else None
         self._missing_graphs: set[tuple] = set()  # keys already warned about
         self.connector = build_connector(vllm_config, afd_config, placement, device)
+        self.telemetry = Telemetry(afd_config, placement, self.connector)
 
     # ---- native worker surface ------------------------------------------------------
     def load_model(self, load_dummy_weights: bool = False, **kwargs: Any) -> None:
@@ -144,8 +146,9 @@ class AFDFFNModelRunner:
                 logger.info("AFD FFN: captured a CUDA graph for step counts %s", key)
             else:
                 self._forward(payload)
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)  # errors surface in this step
+        # NOTE: no device synchronisation: the next step's work queues behind this one on the same
+        # stream, and the connector's flags and failure latch surface a peer's failure (docs/ffn.md).
+        self.telemetry.after_step()
 
     def _warn_missing_graph(self, key: tuple) -> None:
         """Once per key: the attention replays a graph this FFN never captured (it runs eagerly)."""
@@ -189,3 +192,4 @@ class AFDFFNModelRunner:
             self.model = None
         finally:
             self.connector.close()
+            self.telemetry.close()

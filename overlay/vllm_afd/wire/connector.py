@@ -32,6 +32,17 @@ from vllm_afd.wire.messages import A2FBatch, ControlPayload, RoutingSpec
 from vllm_afd.wire.placement import A2F, CONTROL, F2A, Placement
 from vllm_afd.wire.rendezvous import Rendezvous, RendezvousSpec
 from vllm_afd.wire.steps import StepState
+from vllm_afd.wire.timeline import (
+    A2F_RECV_END,
+    A2F_RECV_START,
+    A2F_SEND_END,
+    A2F_SEND_START,
+    F2A_RECV_END,
+    F2A_SEND_END,
+    F2A_SEND_START,
+    StepRecord,
+    Timeline,
+)
 from vllm_afd.wire.transport import Transport
 from vllm_afd.wire.watchdog import STARTUP_DONE_KEY, FailureLatch, Watchdog, WatchdogSpec, terminate_process
 
@@ -41,6 +52,8 @@ __all__ = ["AFDConnector", "ConnectorSpec"]
 MAX_CONTROL_BYTES = 1 << 20
 # How long close() waits in total (watchdog thread, then the transport letting go), and for the watchdog.
 CLOSE_JOIN_S = 5.0
+# Stages a step may have for the timeline's slots (micro-batching supports up to 3).
+MAX_TIMELINE_STAGES = 4
 WATCHDOG_JOIN_S = 1.0
 
 
@@ -69,6 +82,8 @@ class ConnectorSpec:
     # Largest rows one exchange carries per attention rank (vLLM's max_num_batched_tokens); sizes the
     # slots of a preallocating transport (P2pIpcAFDConnector). None where nothing is preallocated.
     max_rows: int | None = None
+    # Which clock stamps the per-exchange timeline (docs/timeline.md): "host", "device", or None (off).
+    timeline_clock: str | None = None
 
 
 class AFDConnector:
@@ -99,6 +114,11 @@ class AFDConnector:
         self._startup_flagged = False
         self._routing: set[RoutingSpec] = set()
         self._buffers: dict[tuple[Any, ...], torch.Tensor] = {}
+        # Built by init() when spec.timeline_clock is set; read through take_records().
+        self.timeline: Timeline | None = None
+        # Seconds init() took from its start to ready channels (rendezvous, handshake, channels).
+        self.rendezvous_s: float | None = None
+        self._transport_syncs = 0  # transport.host_syncs already counted into the timeline
 
     # ---- lifecycle ------------------------------------------------------------------------------
 
@@ -124,6 +144,7 @@ class AFDConnector:
             if self._initializing:
                 raise RuntimeError(f"{s.name}: init() is already running on another thread; call it once")
             self._initializing = True
+        started = time.monotonic()
         rendezvous = Rendezvous(
             RendezvousSpec(p, s.host, s.port, s.rendezvous_timeout_s), cancelled=lambda: self._closed
         )
@@ -147,10 +168,12 @@ class AFDConnector:
                     raise rendezvous.timeout_error("creating the data and control channels") from exc
                 raise
             self._latch.check()  # a peer lost while the channels were built
+            self.timeline = self._make_timeline()
             with self._lock:
                 if self._closed:
                     raise RuntimeError(f"{s.name}: close() was called during init()")
                 self._initialized = True
+            self.rendezvous_s = time.monotonic() - started
         except BaseException:
             self._latch.close()  # the caller gets this exception: no termination fallback
             self._release()
@@ -177,6 +200,21 @@ class AFDConnector:
         closer.join(max(0.0, CLOSE_JOIN_S - (time.monotonic() - started)))
         # NOTE: dropping the last reference stops FFN rank 0's store server; peers notice at once.
         self._store = None
+
+    def take_records(self) -> list[StepRecord]:
+        """Timeline records of the steps completed since the last call; [] with the timeline off."""
+        return [] if self.timeline is None else self.timeline.take_records()
+
+    def _make_timeline(self) -> Timeline | None:
+        from vllm_afd.wire.clocks import DeviceClock, HostClock
+
+        s, p = self.spec, self.placement
+        if s.timeline_clock is None:
+            return None
+        # Slots for up to MAX_TIMELINE_STAGES stages of the widest exchange (4 FFN marks).
+        capacity = 4 * s.exchanges_per_stage * MAX_TIMELINE_STAGES
+        clock = DeviceClock(capacity, s.device) if s.timeline_clock == "device" else HostClock(capacity)
+        return Timeline(p.role, p.role_rank, s.exchanges_per_stage, clock)
 
     def check_failed(self) -> None:
         """Raise the sticky failure (lost peer, step timeout, transport error), if any."""
@@ -206,6 +244,7 @@ class AFDConnector:
             device = self.transport.control_device
             length = torch.tensor([len(body)], dtype=torch.int64).to(device)
             data = torch.frombuffer(bytearray(body), dtype=torch.uint8).to(device)
+            self._count_host_syncs(2 if device.type != "cpu" else 0)  # two blocking host-to-device copies
             dst = p.role_rank  # control group ranks are AFD ranks: FFN k is k
             self._call("control send to ffn rank", p.role_rank, self.transport.send, CONTROL, length, dst)
             self._call("control send to ffn rank", p.role_rank, self.transport.send, CONTROL, data, dst)
@@ -221,6 +260,7 @@ class AFDConnector:
         label = "control receive from attention rank"
         self._call(label, p.role_rank, self.transport.recv, CONTROL, length, src, timed=False)
         num_bytes = int(length.item())
+        self._count_host_syncs(2 if device.type != "cpu" else 0)  # item() here, cpu() below
         self._require_ready("next_step")  # an abort may have left garbage behind
         if not 0 < num_bytes <= MAX_CONTROL_BYTES:
             raise AFDProtocolError(
@@ -236,6 +276,8 @@ class AFDConnector:
 
     def _adopt(self, payload: ControlPayload) -> None:
         self.steps.adopt(payload)
+        if self.timeline is not None:
+            self.timeline.open_step(payload, sum(stage.own_rows for stage in self.steps.stages.values()))
         if self.spec.use_graph_buffers and self.placement.role == "ffn":
             self._preallocate_buffers()
         watchdog = self._watchdog
@@ -269,9 +311,11 @@ class AFDConnector:
                     f"{hidden.shape[0]}; pass this layer's logits"
                 )
         label = "a2f send to ffn rank"
+        self._mark(A2F_SEND_START)
         self._call(label, p.subgroup, self.transport.send, A2F, hidden.contiguous(), 0)
         if router_logits is not None:
             self._call(label, p.subgroup, self.transport.send, A2F, router_logits.contiguous(), 0)
+        self._mark(A2F_SEND_END)
 
     def recv_f2a(self, stage: int, out: torch.Tensor) -> torch.Tensor:
         """Receive the FFN output of one (layer, stage) into ``out`` when it fits, else a new tensor."""
@@ -288,6 +332,7 @@ class AFDConnector:
                 and out.is_contiguous())
         target = out if fits else torch.empty(shape, dtype=s.dtype, device=s.device)
         self._call("f2a receive from ffn rank", self.placement.subgroup, self.transport.recv, F2A, target, 0)
+        self._mark(F2A_RECV_END)
         self._count_exchange()
         return target
 
@@ -301,6 +346,7 @@ class AFDConnector:
         if routing is not None:
             self._routing.add(routing)
         hidden_parts, logit_parts = [], []
+        self._mark(A2F_RECV_START)
         for group_rank, (peer, num_rows) in enumerate(zip(p.attention_peers, peer_rows), start=1):
             label = "a2f receive from attention rank"
             hidden = self._recv_buffer(stage, group_rank, num_rows, s.hidden_size, s.dtype)
@@ -310,6 +356,7 @@ class AFDConnector:
                 logits = self._recv_buffer(stage, group_rank, num_rows, routing.width, routing.dtype)
                 self._call(label, peer, self.transport.recv, A2F, logits, group_rank)
                 logit_parts.append(logits)
+        self._mark(A2F_RECV_END)
         return A2FBatch(_concat(hidden_parts), _concat(logit_parts) if logit_parts else None, peer_rows)
 
     def send_f2a(self, stage: int, output: torch.Tensor) -> None:
@@ -324,8 +371,10 @@ class AFDConnector:
                 f"{sum(peer_rows)} (peers' rows {list(peer_rows)}). Pass the rows recv_a2f returned"
             )
         parts = output.split(list(peer_rows))
+        self._mark(F2A_SEND_START)
         for group_rank, (peer, part) in enumerate(zip(p.attention_peers, parts), start=1):
             self._call("f2a send to attention rank", peer, self.transport.send, F2A, part.contiguous(), group_rank)
+        self._mark(F2A_SEND_END)
         self._count_exchange()
 
     # ---- helpers --------------------------------------------------------------------------------
@@ -343,8 +392,23 @@ class AFDConnector:
             raise RuntimeError(f"{s.name}.{what} is a {role}-side call, but this is {p.label}")
 
     def _count_exchange(self) -> None:
-        if self.steps.count_exchange() and self._watchdog is not None:
-            self._watchdog.step_closed()
+        if self.timeline is not None:
+            syncs, self._transport_syncs = self.transport.host_syncs - self._transport_syncs, self.transport.host_syncs
+            self.timeline.count_host_sync(syncs)
+        if self.steps.count_exchange():
+            if self._watchdog is not None:
+                self._watchdog.step_closed()
+            if self.timeline is not None:
+                self.timeline.step_closed()
+
+    def _mark(self, kind: str) -> None:
+        """Stamp the timeline at this exchange (its position: the exchanges finished in this step)."""
+        if self.timeline is not None:
+            self.timeline.mark(kind, self.steps.num_exchanges)
+
+    def _count_host_syncs(self, count: int) -> None:
+        if self.timeline is not None and count:
+            self.timeline.count_host_sync(count)
 
     def _call(self, label: str, peer: int, method: Callable[..., None], *args: Any, timed: bool = True) -> None:
         """One transport call; a transport error becomes the sticky AFDPeerLostError naming the peer."""

@@ -21,6 +21,7 @@ from vllm_afd.wire.placement import Placement
 from vllm_afd.wire.topology import check_layout
 
 __all__ = [
+    "CHECKPOINT_FIELDS",
     "GLOBAL_FIELDS",
     "IDENTITY_FIELDS",
     "PROTOCOL_VERSION",
@@ -32,7 +33,8 @@ __all__ = [
 
 # Bumped on any change of what crosses the wire (payload codec, exchange order, fingerprint fields).
 # 2: the control payload carries one row count per attention rank (was: per attention DP rank).
-PROTOCOL_VERSION = 2
+# 3: the fingerprint carries the checkpoint's config and weights digests (and its path, for messages).
+PROTOCOL_VERSION = 3
 
 # Compared across all ranks, in report order.
 GLOBAL_FIELDS = (
@@ -50,11 +52,17 @@ GLOBAL_FIELDS = (
     "num_ffn_ranks",
     "compute_gate_on_attention",
     "graph_mode",
+    "config_digest",
+    "weights_digest",
 )
+# Checkpoint digests (vllm_afd/checkpoint.py); one that starts with this was not computed and is not compared.
+CHECKPOINT_FIELDS = ("config_digest", "weights_digest")
+UNKNOWN_DIGEST_PREFIX = "unknown"
+NOT_GIVEN = f"{UNKNOWN_DIGEST_PREFIX} (not given)"
 # Compared only within one role; across roles the layout rule applies instead.
 ROLE_FIELDS = ("dp_size", "tp_size")
 # Logged and used in messages only.
-IDENTITY_FIELDS = ("role", "role_rank", "hostname", "pid", "device")
+IDENTITY_FIELDS = ("role", "role_rank", "hostname", "pid", "device", "checkpoint")
 
 ROLES = ("attention", "ffn")
 _FIX = "Launch both roles with the same model, dtype and AFD settings."
@@ -92,6 +100,11 @@ class Fingerprint:
     compute_gate_on_attention: bool
     # "eager" or "FULL_DECODE_ONLY".
     graph_mode: str
+    # "sha256:<hex>" of the checkpoint's config.json content, or "unknown (<why>)" (then not compared).
+    # NOTE: the defaults serve callers that exchange without a model (wire benchmarks, connector tests).
+    config_digest: str = NOT_GIVEN
+    # "sha256:<hex>" of the sampled weight files, "dummy" (--load-format dummy) or "unknown (<why>)".
+    weights_digest: str = NOT_GIVEN
     # DP size of the publishing role.
     dp_size: int
     # TP size of the publishing role.
@@ -106,6 +119,8 @@ class Fingerprint:
     pid: int
     # Device of the publishing rank, e.g. "cuda:0" or "cpu" (messages only).
     device: str
+    # Where the publishing rank read its checkpoint: a path, or the model id (messages only).
+    checkpoint: str = "(no checkpoint given)"
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -142,7 +157,8 @@ class Fingerprint:
         """The fingerprint of the rank at ``placement``, identity filled from this process.
 
         ``model_facts``: overlay_version, vllm_version, architecture, hidden_size, num_hidden_layers,
-        dtype, layer_kinds, num_routed_experts, graph_mode, device.
+        dtype, layer_kinds, num_routed_experts, graph_mode, config_digest, weights_digest, device,
+        checkpoint.
         """
         return cls(
             protocol_version=PROTOCOL_VERSION,
@@ -203,9 +219,18 @@ def _rank_order(fingerprint: Fingerprint) -> tuple[int, int]:
     return (0 if fingerprint.role == "ffn" else 1, fingerprint.role_rank)
 
 
+def _differ(name: str, value_a: Any, value_b: Any) -> bool:
+    if name in CHECKPOINT_FIELDS and (
+        value_a.startswith(UNKNOWN_DIGEST_PREFIX) or value_b.startswith(UNKNOWN_DIGEST_PREFIX)
+    ):
+        # NOTE: a digest a rank could not compute (a hub id not on disk yet) is no evidence either way.
+        return False
+    return value_a != value_b
+
+
 def _differences(a: Fingerprint, b: Fingerprint, names: Sequence[str]) -> list[tuple[str, Any, Any]]:
     values = [(name, getattr(a, name), getattr(b, name)) for name in names]
-    return [(name, value_a, value_b) for name, value_a, value_b in values if value_a != value_b]
+    return [(name, value_a, value_b) for name, value_a, value_b in values if _differ(name, value_a, value_b)]
 
 
 def _mismatch_message(pairs: list[tuple[Fingerprint, Fingerprint, list[tuple[str, Any, Any]]]]) -> str:
@@ -218,10 +243,20 @@ def _mismatch_message(pairs: list[tuple[Fingerprint, Fingerprint, list[tuple[str
         others = ", ".join(sorted({pair[1].label for pair in pairs[1:]} - {second.label}))
         if others:
             message += f" Also differing: {others}."
+    fix = _FIX
+    if any(name in CHECKPOINT_FIELDS for name, _, _ in differences):
+        loaded = " and ".join(
+            f"{fp.label} loaded {fp.checkpoint} (weights {fp.weights_digest}, config {fp.config_digest})"
+            for fp in (first, second)
+        )
+        fix = (
+            f"The roles loaded different checkpoints: {loaded}. Start both roles on the same checkpoint "
+            "(copies on different hosts must hold the same files)."
+        )
     ranks = "; ".join(
         f"{fp.label} on {fp.hostname} (pid {fp.pid}, device {fp.device})" for fp in (first, second)
     )
-    return f"{message} {_FIX} ({ranks})"
+    return f"{message} {fix} ({ranks})"
 
 
 def compare_fingerprints(local: Fingerprint, others: Iterable[Fingerprint]) -> None:

@@ -10,6 +10,7 @@ store operation.
 from __future__ import annotations
 
 import datetime
+import logging
 import socket
 import time
 from collections.abc import Callable, Iterable
@@ -33,6 +34,10 @@ KEY_PREFIX = "afd"
 POLL_INTERVAL_S = 0.02
 # Per-attempt bound of a TCP connect to FFN rank 0 while it is not listening yet.
 CONNECT_ATTEMPT_S = 1.0
+# While waiting (for the store, or for other ranks' fingerprints), one INFO line per this many seconds.
+WAIT_LOG_INTERVAL_S = 10.0
+
+logger = logging.getLogger(__name__)
 
 
 def rank_key(kind: str, role: str, role_rank: int) -> str:
@@ -73,6 +78,11 @@ class RendezvousSpec:
     def identity(self) -> str:
         return f"role={self.role}, role_rank={self.role_rank}"
 
+    @property
+    def label(self) -> str:
+        """``"<role> rank <role_rank>"``, as log lines name this rank."""
+        return f"{self.role} rank {self.role_rank}"
+
     def all_ranks(self) -> list[tuple[str, int]]:
         """Every (role, role_rank), FFN first (AFD rank order)."""
         return [("ffn", k) for k in range(self.placement.num_ffn_ranks)] + [
@@ -97,15 +107,31 @@ class Rendezvous:
         spec: RendezvousSpec,
         clock: Callable[[], float] = time.monotonic,
         cancelled: Callable[[], bool] = lambda: False,
+        log_interval_s: float = WAIT_LOG_INTERVAL_S,
+        sleep: Callable[[float], None] = time.sleep,
     ) -> None:
         self.spec = spec
         self._clock = clock
+        self._sleep = sleep
         self._cancelled = cancelled
+        self._log_interval_s = log_interval_s
         self.deadline = clock() + spec.timeout_s
+        self._next_log = self.deadline - spec.timeout_s + log_interval_s
         self.store: Any = None
 
     def remaining_s(self) -> float:
         return max(0.0, self.deadline - self._clock())
+
+    def _log_waiting(self, waiting_for: str, stage: str) -> None:
+        """One INFO line per interval, so an operator sees what a silent rank waits for, and since when."""
+        now = self._clock()
+        if now < self._next_log:
+            return
+        self._next_log = now + self._log_interval_s
+        spec = self.spec
+        elapsed = spec.timeout_s - max(0.0, self.deadline - now)
+        logger.info("AFD %s: waiting for %s at %s (%s, %.0f s of %g s)", spec.label, waiting_for, spec.address,
+                    stage, elapsed, spec.timeout_s)
 
     # ---- steps ----------------------------------------------------------------------------------
 
@@ -132,14 +158,17 @@ class Rendezvous:
         self._store_call(lambda: self.store.set(self._own_key("fingerprint"), fingerprint.to_json()))
         ranks = spec.all_ranks()
         keys = [rank_key("fingerprint", role, rank) for role, rank in ranks]
-        self.wait_for_keys(keys, "waiting for the other ranks' fingerprints")
+        self.wait_for_keys(keys, "waiting for the other ranks' fingerprints", log_stage="handshake")
         values = self._store_call(lambda: self.store.multi_get(keys))
         fingerprints = {rank: Fingerprint.from_json(value) for rank, value in zip(ranks, values)}
         compare_fingerprints(fingerprint, fingerprints.values())
         return fingerprints
 
-    def wait_for_keys(self, keys: list[str], stage: str) -> None:
-        """Poll until every key exists; our own claim is re-checked so a late duplicate fails us too."""
+    def wait_for_keys(self, keys: list[str], stage: str, log_stage: str | None = None) -> None:
+        """Poll until every key exists; our own claim is re-checked so a late duplicate fails us too.
+
+        With ``log_stage``, one line per interval names the ranks that have not claimed yet.
+        """
         while True:
             complete = self._store_call(lambda: self.store.check(keys))
             if self._store_call(lambda: self.store.add(self._own_key("claim"), 0)) > 1:
@@ -149,7 +178,17 @@ class Rendezvous:
             self._check_cancelled()
             if self.remaining_s() <= 0.0:
                 raise self.timeout_error(stage)
-            time.sleep(POLL_INTERVAL_S)
+            if log_stage is not None and self._clock() >= self._next_log:
+                self._log_waiting(self._missing_ranks_text(), log_stage)
+            self._sleep(POLL_INTERVAL_S)
+
+    def _missing_ranks_text(self) -> str:
+        """``"ffn [1], attention [2 3]"``: the ranks whose claim is not in the store yet."""
+        missing: dict[str, list[int]] = {role: [] for role in ("ffn", "attention")}
+        for role, rank in self.spec.all_ranks():
+            if not self._store_call(lambda: self.store.check([rank_key("claim", role, rank)])):
+                missing[role].append(rank)
+        return _format_ranks(missing, skip_empty=True) or "the last ranks' fingerprints"
 
     # ---- errors ---------------------------------------------------------------------------------
 
@@ -244,26 +283,43 @@ class Rendezvous:
         )
 
     def connect_client(self) -> Any:
-        """A new client connection to the store (FFN rank 0 connects to itself), retrying until the deadline."""
+        """A new client connection to the store (FFN rank 0 connects to itself), retrying until the deadline.
+
+        While nobody listens, only a plain socket knocks: torch's TCPStore client writes a C++ stack
+        trace to stderr for every failed attempt (~700 lines a minute), so it is created only once
+        the port accepts.  One INFO line per interval says what this rank waits for.
+        """
         from torch.distributed import TCPStore
 
         spec = self.spec
         last_error: BaseException | None = None
         while True:
             # NOTE: short attempts: TCPStore's connect retries internally for up to ~3x its timeout.
-            # (A plain-socket probe first would be quieter, but it can stall the store server for 5 s.)
             attempt_s = min(CONNECT_ATTEMPT_S, max(self.remaining_s() / 3.0, 0.05))
             try:
+                self._knock(attempt_s)
                 store = TCPStore(spec.host, spec.port, is_master=False, wait_for_workers=False,
                                  timeout=datetime.timedelta(seconds=attempt_s))
                 store.set_timeout(self._store_timeout())
                 return store
-            except RuntimeError as exc:  # DistNetworkError: nobody listens (yet)
+            except OSError as exc:  # nobody listens (yet); the knock's error, never a trace
+                last_error = exc
+            except RuntimeError as exc:  # DistNetworkError: the port accepted, the store did not answer in time
                 last_error = exc
             self._check_cancelled()
             if self.remaining_s() <= 0.0:
                 raise self._unreachable_error(f"last error: {last_error}")
-            time.sleep(min(0.1, self.remaining_s()))
+            self._log_waiting("FFN rank 0 (the rendezvous store)", "rendezvous")
+            self._sleep(min(0.1, self.remaining_s()))
+
+    def _knock(self, timeout_s: float) -> None:
+        """Raise ``OSError`` unless something accepts TCP connections at the store's address.
+
+        NOTE: the knock closes at once; the store's server sees a peer that closed before it spoke,
+        which it drops without a log line (tests/unit/test_rendezvous.py checks it stays responsive).
+        """
+        with socket.create_connection((self.spec.host, self.spec.port), timeout=timeout_s):
+            pass
 
 
 def _format_ranks(ranks: dict[str, Iterable[int]], *, skip_empty: bool) -> str:

@@ -31,6 +31,9 @@ class Transport(ABC):
 
     # Where control tensors (length, body) live: CPU for gloo, the rank's GPU for NCCL.
     control_device: torch.device
+    # Host synchronisations the transport made since it was built (a blocking device copy, an event
+    # wait); the connector's timeline counts them per step. Stream-ordered transports keep 0.
+    host_syncs: int = 0
 
     @abstractmethod
     def open(self, store: Any, placement: Placement, timeout_s: float) -> None:

@@ -1,7 +1,9 @@
 """The gloo transport (connector name ``P2pGlooAFDConnector``): groups on prefixes of the AFD store.
 
 Every tensor crosses as a ``uint8`` view of a contiguous CPU tensor, so gloo's dtype support does not
-matter (bf16 included); CUDA tensors are staged through host memory and copied back. Host-synchronous,
+matter (bf16 included); CUDA tensors are staged through pinned host buffers: a send waits for its
+device-to-host copy (one host synchronisation), a receive's host-to-device copy is left in flight on the
+caller's stream (its staging buffer is reused only after that copy's event passed). Host-synchronous,
 hence eager only: the CPU path and both roles on one GPU. A dead peer closes its TCP connections, so
 a receive from it fails at once; the watchdog covers a peer that hangs. gloo cannot interrupt a
 blocked receive of its own process: ``close()`` drops the groups, which fails the peers' pending
@@ -47,8 +49,11 @@ class GlooTransport(Transport):
         # The channels to open (None: all of placement.channels()); the IPC transport keeps only ctrl here.
         self.channels = channels
         self._groups: dict[str, Any] = {}
-        # Host staging buffers for non-CPU tensors, by size in bytes: reused across exchanges.
-        self._staging: dict[int, torch.Tensor] = {}
+        # Pinned host staging for CUDA tensors, per direction and size in bytes, with the event of the
+        # last copy that read or wrote it (a buffer is reused only after that copy finished).
+        self._staging: dict[tuple[str, int], tuple[torch.Tensor, Any]] = {}
+        # Host synchronisations this transport made, for the connector's timeline.
+        self.host_syncs = 0
 
     def open(self, store: Any, placement: Placement, timeout_s: float) -> None:
         from torch.distributed import PrefixStore, ProcessGroupGloo
@@ -61,15 +66,24 @@ class GlooTransport(Transport):
             self._groups[name] = ProcessGroupGloo(PrefixStore(prefix, store), rank, size, timeout)
 
     def send(self, channel: str, tensor: torch.Tensor, dst: int) -> None:
-        host = tensor if tensor.device.type == "cpu" else tensor.to("cpu")
-        self._group(channel).send([_bytes(host.contiguous())], dst, 0).wait(GLOO_OP_TIMEOUT)
+        if tensor.device.type == "cpu":
+            host = tensor.contiguous()
+        else:
+            host = self._staging_for("send", tensor)
+            host.copy_(tensor, non_blocking=True)
+            self._record_copy("send", host).synchronize()  # gloo reads the bytes from the host
+            self.host_syncs += 1
+        self._group(channel).send([_bytes(host)], dst, 0).wait(GLOO_OP_TIMEOUT)
 
     def recv(self, channel: str, tensor: torch.Tensor, src: int) -> None:
-        direct = tensor.device.type == "cpu" and tensor.is_contiguous()
-        staging = tensor if direct else self._staging_for(tensor)
+        if tensor.device.type == "cpu" and tensor.is_contiguous():
+            self._group(channel).recv([_bytes(tensor)], src, 0).wait(GLOO_OP_TIMEOUT)
+            return
+        staging = self._staging_for("recv", tensor)
         self._group(channel).recv([_bytes(staging)], src, 0).wait(GLOO_OP_TIMEOUT)
-        if not direct:
-            tensor.copy_(staging)
+        tensor.copy_(staging, non_blocking=tensor.device.type == "cuda")
+        if tensor.device.type == "cuda":
+            self._record_copy("recv", staging)
 
     def abort(self) -> None:
         groups, self._groups = self._groups, {}
@@ -94,10 +108,24 @@ class GlooTransport(Transport):
                 "num_ffn_ranks and FFN ranks join the control group"
             ) from None
 
-    def _staging_for(self, tensor: torch.Tensor) -> torch.Tensor:
+    def _staging_for(self, direction: str, tensor: torch.Tensor) -> torch.Tensor:
+        """The host buffer for ``tensor``'s bytes, once the last copy through it has finished."""
         nbytes = tensor.numel() * tensor.element_size()
-        buffer = self._staging.get(nbytes)
+        buffer, event = self._staging.get((direction, nbytes), (None, None))
         if buffer is None:
             pinned = tensor.device.type == "cuda"
-            buffer = self._staging[nbytes] = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
+            buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
+            self._staging[(direction, nbytes)] = (buffer, None)
+        elif event is not None and not event.query():
+            event.synchronize()  # rare: the previous receive's copy of this size is still running
+            self.host_syncs += 1
         return buffer.view(tensor.dtype).view(tensor.shape)
+
+    def _record_copy(self, direction: str, staging: torch.Tensor) -> Any:
+        """Record the event of the copy just enqueued through ``staging`` (on the current stream)."""
+        event = torch.cuda.Event()
+        event.record()
+        nbytes = staging.numel() * staging.element_size()
+        buffer, _ = self._staging[(direction, nbytes)]
+        self._staging[(direction, nbytes)] = (buffer, event)
+        return event

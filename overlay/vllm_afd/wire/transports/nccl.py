@@ -1,7 +1,8 @@
-"""The NCCL transport (connector name ``P2pNcclAFDConnector``): one communicator per channel.
+"""The NCCL transport (connector name ``P2pNcclAFDConnector``): one communicator per data channel.
 
-One communicator per channel (a2f, f2a, ctrl), each over a group on a prefix of the AFD store and
-bound to the rank's GPU. The communicator is made by the caller's ``make_communicator``: the
+One communicator per data channel (a2f, f2a), each over a group on a prefix of the AFD store and
+bound to the rank's GPU; the control channel is a gloo group on the host, like the IPC transport's,
+so publishing and reading a step's payload never waits for the GPU (docs/timeline.md). The communicator is made by the caller's ``make_communicator``: the
 vLLM-facing layer passes vLLM's ``PyNcclCommunicator`` (vllm_afd/connect.py), so this package
 imports no vLLM. Sends and receives run on the caller's current
 stream, so they can be captured in CUDA graphs. NCCL refuses two ranks on one GPU, so the ranks'
@@ -20,8 +21,9 @@ from typing import Any
 
 import torch
 
-from vllm_afd.wire.placement import Placement
+from vllm_afd.wire.placement import CONTROL, Placement
 from vllm_afd.wire.transport import Transport
+from vllm_afd.wire.transports.gloo import GlooTransport
 
 __all__ = ["DUPLICATE_GPU_MESSAGE", "MakeCommunicator", "NcclTransport"]
 
@@ -56,7 +58,8 @@ class NcclTransport(Transport):
             )
         self.device = device
         self._make_communicator = make_communicator
-        self.control_device = device
+        self.control_device = torch.device("cpu")
+        self._control = GlooTransport(torch.device("cpu"), channels=(CONTROL,))
         self._comms: dict[str, Any] = {}
 
     def open(self, store: Any, placement: Placement, timeout_s: float) -> None:
@@ -65,6 +68,8 @@ class NcclTransport(Transport):
         from torch.distributed import PrefixStore
 
         for name, prefix, rank, size in placement.channels():
+            if name == CONTROL:
+                continue
             try:
                 comm = self._make_communicator(PrefixStore(prefix, store), rank, size, self.device)
             except RuntimeError as exc:
@@ -78,12 +83,11 @@ class NcclTransport(Transport):
                     "NCCL. Unset VLLM_DISABLE_PYNCCL, or use P2pGlooAFDConnector"
                 )
             self._comms[name] = comm
+        self._control.open(store, placement, timeout_s)
 
     def _check_distinct_gpus(self, store: Any, placement: Placement, timeout_s: float) -> None:
         """Fail with the fix instead of NCCL's "invalid usage" when two group members share a GPU."""
-        members = set(placement.subgroup_members)
-        if placement.control_rank is not None:
-            members |= set(range(placement.control_size))
+        members = set(placement.subgroup_members)  # the control channel is gloo: any GPU will do
         store.set(f"afd/gpu/{placement.afd_rank}", gpu_identity(self.device))
         keys = {rank: f"afd/gpu/{rank}" for rank in sorted(members)}
         store.wait(list(keys.values()), datetime.timedelta(seconds=timeout_s))
@@ -96,20 +100,26 @@ class NcclTransport(Transport):
             )
 
     def send(self, channel: str, tensor: torch.Tensor, dst: int) -> None:
+        if channel == CONTROL:
+            return self._control.send(channel, tensor, dst)
         self._require_gpu(tensor)
         self._comm(channel).send(tensor, dst)
 
     def recv(self, channel: str, tensor: torch.Tensor, src: int) -> None:
+        if channel == CONTROL:
+            return self._control.recv(channel, tensor, src)
         self._require_gpu(tensor)
         self._comm(channel).recv(tensor, src)
 
     def abort(self) -> None:
         # NOTE: destroy() runs ncclCommAbort on its own daemon thread and joins it for at most 5 s.
+        self._control.abort()
         for comm in list(self._comms.values()):
             comm.destroy()
 
     def close(self) -> None:
         self.abort()
+        self._control.close()
         self._comms = {}
 
     def _comm(self, channel: str) -> Any:

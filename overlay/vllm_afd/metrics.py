@@ -1,0 +1,329 @@
+"""AFD metrics on each role's /metrics (docs/metrics.md): written by the worker, served by the front end.
+
+AFD runs in vLLM's worker processes; ``/metrics`` is served by the API server process. The worker
+writes its samples in prometheus_client's multiprocess file format (``MmapedDict`` files, one per
+metric type and writer) and prometheus_client's own ``MultiProcessCollector`` reads them in the
+API server:
+
+* vLLM's multiprocess mode (``PROMETHEUS_MULTIPROC_DIR`` set: ``--api-server-count`` > 1, or by the
+  user): the files go into that directory, which vLLM's /metrics registry already collects;
+* otherwise the root process of ``vllm serve`` (from the config hook, before it starts the engine
+  core) makes a private directory, names it in ``VLLM_AFD_METRICS_DIR`` for its children, and adds a
+  ``MultiProcessCollector`` for it to the default registry, which its /metrics serves.
+
+A metrics error is logged once and stops this rank's metrics; it never reaches a step.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import multiprocessing
+import os
+import tempfile
+import threading
+import time
+from collections import deque
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from prometheus_client import REGISTRY, CollectorRegistry
+from prometheus_client.mmap_dict import MmapedDict, mmap_key
+from prometheus_client.multiprocess import MultiProcessCollector
+from prometheus_client.utils import floatToGoString
+
+from vllm_afd.wire.timeline import A2F_SEND_START, F2A_RECV_END, StepRecord
+
+__all__ = [
+    "BUCKETS_S",
+    "METRICS_DIR_ENV",
+    "AFDMetrics",
+    "expose_worker_metrics",
+    "exposed_transport_ns",
+    "make_rank_metrics",
+    "metrics_dir",
+]
+
+logger = logging.getLogger(__name__)
+
+# The private directory of one `vllm serve`, set by its root process for the processes it starts.
+METRICS_DIR_ENV = "VLLM_AFD_METRICS_DIR"
+# vLLM's (and prometheus_client's) multiprocess directory; when set, /metrics collects only it.
+PROMETHEUS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
+# Histogram upper bounds (s): 10 us .. 1 s, 1-2.5-5 per decade (+Inf is added).
+BUCKETS_S = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2,
+             0.1, 0.25, 0.5, 1.0)
+# Steps the exposed-transport share gauge averages over (the counters hold the whole run).
+SHARE_WINDOW_STEPS = 64
+# How often the watcher reads the connector's peer state and rendezvous duration.
+WATCH_INTERVAL_S = 0.5
+LABEL_NAMES = ("role", "role_rank", "connector")
+
+HELP = {
+    "afd_steps": "AFD steps this rank executed (warm-up, profile and capture steps excluded).",
+    "afd_layer_round_trip_seconds": "Attention: per layer and stage, send start to FFN output received.",
+    "afd_ffn_compute_seconds": "FFN: per layer and stage, all rows received to the first byte sent back.",
+    "afd_exposed_transport_seconds": "Attention: time with an exchange in flight, within the layer loop.",
+    "afd_layer_loop_seconds": "Attention: first layer's send to the last layer's output received.",
+    "afd_exposed_transport_share": "Attention: exposed transport over layer-loop time, last steps.",
+    "afd_peer_up": "1 while the connector is connected and has no failure, else 0.",
+    "afd_peer_lost": "1 once the connector recorded a failure (lost peer, timeout, transport error).",
+    "afd_rendezvous_seconds": "Rendezvous, handshake and channel set-up of this rank's connector.",
+}
+
+_exposed_dir: tempfile.TemporaryDirectory | None = None
+_writer_ids = itertools.count()
+
+
+def metrics_dir() -> str | None:
+    """Where this process writes its AFD metrics: vLLM's multiprocess directory, else AFD's own."""
+    return os.environ.get(PROMETHEUS_DIR_ENV) or os.environ.get(METRICS_DIR_ENV) or None
+
+
+def expose_worker_metrics(registry: CollectorRegistry = REGISTRY) -> None:
+    """Front end: make the worker processes' AFD metrics reach this process's /metrics; idempotent.
+
+    Runs in the config hook of every process that builds a VllmConfig. Only the root process of a
+    `vllm serve` (not started by multiprocessing) acts, and it always replaces an inherited
+    ``VLLM_AFD_METRICS_DIR``: that value belongs to another server or a test process. ``registry``
+    is the one vLLM's /metrics serves without ``PROMETHEUS_MULTIPROC_DIR``: the default one.
+    """
+    global _exposed_dir
+    if _exposed_dir is not None or os.environ.get(PROMETHEUS_DIR_ENV):
+        return  # done, or vLLM's /metrics already collects the multiprocess directory
+    if multiprocessing.parent_process() is not None:
+        return  # a process vLLM started: it inherited the directory of its root
+    _exposed_dir = tempfile.TemporaryDirectory(prefix="vllm-afd-metrics-")
+    os.environ[METRICS_DIR_ENV] = _exposed_dir.name
+    MultiProcessCollector(registry, path=_exposed_dir.name)
+
+
+def make_rank_metrics(role: str, role_rank: int, connector_name: str, connector: Any) -> AFDMetrics | None:
+    """One rank's metrics, watching ``connector``; None (logged) where no directory is set."""
+    directory = metrics_dir()
+    if directory is None:
+        logger.info("AFD metrics: neither %s nor %s is set in this process; metrics are off",
+                    PROMETHEUS_DIR_ENV, METRICS_DIR_ENV)
+        return None
+    metrics = AFDMetrics(directory, role, role_rank, connector_name)
+    metrics.watch(connector)
+    return metrics
+
+
+def exposed_transport_ns(record: StepRecord) -> tuple[int, int]:
+    """Attention record: (time with at least one exchange in flight, layer-loop span) in ns.
+
+    An exchange is in flight from its send start to its output received; the layer loop runs from
+    the step's first send start to its last output received.
+    """
+    starts = {(m.exchange, m.stage): m.t_ns for m in record.marks if m.kind == A2F_SEND_START}
+    intervals = sorted((starts[(m.exchange, m.stage)], m.t_ns) for m in record.marks
+                       if m.kind == F2A_RECV_END and (m.exchange, m.stage) in starts)
+    if not intervals:
+        return 0, 0
+    busy, (cur_start, cur_end) = 0, intervals[0]
+    for start, end in intervals[1:]:
+        if start > cur_end:
+            busy += cur_end - cur_start
+            cur_start, cur_end = start, end
+        else:
+            cur_end = max(cur_end, end)
+    busy += cur_end - cur_start
+    return busy, max(end for _, end in intervals) - intervals[0][0]
+
+
+class _Files:
+    """This writer's three multiprocess files (counter, histogram, most-recent gauge) in one directory.
+
+    File names end in a writer id unique on the host (``afd-<role>-<rank>-<pid>-<n>``), so they never
+    collide with prometheus_client's own ``<type>_<pid>.db`` files of the same process.
+    """
+
+    def __init__(self, directory: str, ident: str) -> None:
+        self._dicts = {
+            "counter": MmapedDict(os.path.join(directory, f"counter_{ident}.db")),
+            "histogram": MmapedDict(os.path.join(directory, f"histogram_{ident}.db")),
+            "gauge": MmapedDict(os.path.join(directory, f"gauge_mostrecent_{ident}.db")),
+        }
+
+    def write(self, typ: str, key: str, value: float, timestamp: float = 0.0) -> None:
+        self._dicts[typ].write_value(key, value, timestamp)
+
+    def close(self) -> None:
+        for mmaped in self._dicts.values():
+            mmaped.close()
+
+
+class _Histogram:
+    """Per-bucket counts and a sum, as prometheus_client's multiprocess histogram stores them."""
+
+    def __init__(self, name: str, labels: dict[str, str]) -> None:
+        bucket_names = [*labels, "le"]
+        bounds = [*BUCKETS_S, float("inf")]
+        self.bounds = BUCKETS_S
+        self.counts = [0] * len(bounds)
+        self.sum_s = 0.0
+        self.bucket_keys = [mmap_key(name, f"{name}_bucket", bucket_names,
+                                     [*labels.values(), floatToGoString(b)], HELP[name]) for b in bounds]
+        self.sum_key = mmap_key(name, f"{name}_sum", list(labels), list(labels.values()), HELP[name])
+
+    def observe_ns(self, values_ns: Iterable[int]) -> set[int]:
+        """Add the values; returns the touched bucket indices."""
+        touched = set()
+        for value_ns in values_ns:
+            seconds = value_ns / 1e9
+            index = next((i for i, bound in enumerate(self.bounds) if seconds <= bound), len(self.bounds))
+            self.counts[index] += 1
+            self.sum_s += seconds
+            touched.add(index)
+        return touched
+
+
+class AFDMetrics:
+    """One rank's AFD metrics, written to its multiprocess files; see the module docstring."""
+
+    def __init__(self, directory: str, role: str, role_rank: int, connector_name: str) -> None:
+        self.role = role
+        self.labels = dict(zip(LABEL_NAMES, (role, str(role_rank), connector_name)))
+        self.steps = 0
+        self.exposed_ns = 0
+        self.loop_ns = 0
+        self._window: deque[tuple[int, int]] = deque(maxlen=SHARE_WINDOW_STEPS)
+        self._peer: tuple[bool, bool] | None = None
+        self._rendezvous_written = False
+        self._last_payload: Any = None
+        self._broken = False
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._connector: Any = None
+        self._keys: dict[str, str] = {}
+        name = "afd_layer_round_trip_seconds" if role == "attention" else "afd_ffn_compute_seconds"
+        self.histogram = _Histogram(name, self.labels)
+        ident = f"afd-{role}-{role_rank}-{os.getpid()}-{next(_writer_ids)}"
+        self._files = _Files(directory, ident)
+        with self._lock:
+            self._write_counter("afd_steps", self.steps)
+            self._write_histogram(range(len(self.histogram.counts)))
+            if role == "attention":
+                self._write_share()
+            self._write_gauge("afd_peer_up", 0.0)
+            self._write_gauge("afd_peer_lost", 0.0)
+
+    # ---- what the runners report ---------------------------------------------------------------
+    def observe_steps(self, records: Sequence[StepRecord]) -> None:
+        """After each executed step: count it, and add the timeline records that completed so far."""
+        self._guarded(self._observe_steps, records)
+
+    def set_peer_state(self, up: bool, lost: bool) -> None:
+        self._guarded(self._set_peer_state, up, lost)
+
+    def set_rendezvous_seconds(self, seconds: float) -> None:
+        self._guarded(self._set_rendezvous_seconds, seconds)
+
+    def watch(self, connector: Any) -> None:
+        """Follow ``connector``'s peer state and rendezvous duration on a daemon thread."""
+        self._connector = connector
+        self._thread = threading.Thread(target=self._watch, name="afd-metrics", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        """Stop watching, write the final peer state; the files stay for the front end to serve."""
+        self._stop.set()
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.join(2 * WATCH_INTERVAL_S)
+        if self._connector is not None:
+            self._guarded(self._poll)
+        with self._lock:
+            self._broken = True
+            self._files.close()
+
+    # ---- internals --------------------------------------------------------------------------------
+    def _guarded(self, fn: Any, *args: Any) -> None:
+        if self._broken:
+            return
+        try:
+            with self._lock:
+                if not self._broken:
+                    fn(*args)
+        except Exception:  # noqa: BLE001 - metrics never break serving: log once, stop this rank's metrics
+            self._broken = True
+            logger.exception("AFD metrics of %s rank %s failed; they stop here (serving goes on)",
+                             self.role, self.labels["role_rank"])
+
+    def _watch(self) -> None:
+        while not self._stop.wait(WATCH_INTERVAL_S):
+            self._guarded(self._poll)
+
+    def _poll(self) -> None:
+        connector = self._connector
+        self._set_peer_state(connector.is_initialized, connector.failure is not None)
+        if connector.rendezvous_s is not None and not self._rendezvous_written:
+            self._set_rendezvous_seconds(connector.rendezvous_s)
+
+    def _count_step(self) -> None:
+        payload = None if self._connector is None else self._connector.steps.payload
+        if payload is None or payload is self._last_payload:
+            return
+        self._last_payload = payload
+        if payload.is_graph_capturing or payload.is_warmup or payload.is_profile:
+            return
+        self.steps += 1
+        self._write_counter("afd_steps", self.steps)
+
+    def _observe_steps(self, records: Sequence[StepRecord]) -> None:
+        self._count_step()
+        records = [r for r in records if not (r.warmup or r.profile)]
+        touched: set[int] = set()
+        for record in records:
+            if self.role == "attention":
+                touched |= self.histogram.observe_ns(record.round_trips_ns())
+                busy, span = exposed_transport_ns(record)
+                self.exposed_ns += busy
+                self.loop_ns += span
+                self._window.append((busy, span))
+            else:
+                touched |= self.histogram.observe_ns(record.ffn_compute_ns())
+        if records:
+            self._write_histogram(touched)
+            if self.role == "attention":
+                self._write_share()
+
+    def _set_peer_state(self, up: bool, lost: bool) -> None:
+        if self._peer == (up, lost):
+            return
+        self._peer = (up, lost)
+        self._write_gauge("afd_peer_up", float(up))
+        self._write_gauge("afd_peer_lost", float(lost))
+
+    def _set_rendezvous_seconds(self, seconds: float) -> None:
+        self._rendezvous_written = True
+        self._write_gauge("afd_rendezvous_seconds", float(seconds))
+
+    def _key(self, metric: str, sample: str) -> str:
+        key = self._keys.get(sample)
+        if key is None:
+            key = self._keys[sample] = mmap_key(metric, sample, list(self.labels),
+                                                list(self.labels.values()), HELP[metric])
+        return key
+
+    def _write_counter(self, metric: str, value: float) -> None:
+        self._files.write("counter", self._key(metric, f"{metric}_total"), value)
+
+    def _write_gauge(self, metric: str, value: float) -> None:
+        # NOTE: most-recent gauges keep the newest write per label set (time.time() orders them).
+        self._files.write("gauge", self._key(metric, metric), value, time.time())
+
+    def _write_histogram(self, buckets: Iterable[int]) -> None:
+        h = self.histogram
+        for index in buckets:
+            self._files.write("histogram", h.bucket_keys[index], float(h.counts[index]))
+        self._files.write("histogram", h.sum_key, h.sum_s)
+
+    def _write_share(self) -> None:
+        self._write_counter("afd_exposed_transport_seconds", self.exposed_ns / 1e9)
+        self._write_counter("afd_layer_loop_seconds", self.loop_ns / 1e9)
+        span = sum(s for _, s in self._window)
+        share = sum(b for b, _ in self._window) / span if span else 0.0
+        self._write_gauge("afd_exposed_transport_share", share)

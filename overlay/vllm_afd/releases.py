@@ -1,0 +1,104 @@
+"""What differs between the vLLM releases the overlay supports, in one place.
+
+The overlay supports two patched releases at once (README "Supported vLLM releases"): the
+oldest stays until the newest has run in CI and on the device.  Everything that differs
+between them is a field of `Release` here, read by the module that needs it, so no other
+module compares version strings and dropping a release is deleting one entry.  The pin
+values equal `VLLM_PIN` and `VLLM_PIN-<version>` (tests/unit/test_pin.py keeps them equal).
+
+Importing this module imports no vLLM (pin.py checks the installed build before vLLM loads);
+`installed()` and the accessors read vLLM only when called.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from vllm.config import CompilationConfig
+
+# Hooks the overlay calls on every platform (the MRV2 ones only on CUDA, where importing the
+# MRV2 runner fails loudly if they are missing).
+_COMMON_PATCHES = (
+    "cpu-worker-add-make-model-runner",
+    "forward-context-add-hook-registry",
+    "config-add-vllm-config-hooks",
+    "serving-add-request-veto",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Release:
+    """One supported vLLM release and its differences from the others."""
+
+    version: str  # vLLM version, as `vllm/_version.py` says
+    commit: str  # the pin file's commit: 40 hex, or the 9-hex prefix a wheel carries
+    pin_file: str  # VLLM_PIN or VLLM_PIN-<version>, at the repository root
+    required_patches: tuple[str, ...]  # the stamp must list these (upstream ones excluded)
+    # NOTE: 0.32 removed compile-time sequence parallelism (`PassConfig.enable_sp`) entirely.
+    has_compile_sp_pass: bool
+    # Qwen3MoeSparseMoeBlock's native router (`gate_cls` default): 0.32 builds a GateLinear.
+    qwen3_moe_gate_cls: str
+
+    @property
+    def short(self) -> str:
+        return self.commit[:7]
+
+
+RELEASES: tuple[Release, ...] = (
+    Release(
+        version="0.30.0",
+        commit="ced6857afa0ea7b2e3f0846a62e1394e90f15607",
+        pin_file="VLLM_PIN",
+        # `worker-add-make-model-runner` backports 0.32's Worker._make_model_runner.
+        required_patches=("worker-add-make-model-runner",) + _COMMON_PATCHES,
+        has_compile_sp_pass=True,
+        qwen3_moe_gate_cls="vllm.model_executor.layers.linear.ReplicatedLinear",
+    ),
+    Release(
+        version="0.32.0",
+        commit="5df63a720",
+        pin_file="VLLM_PIN-0.32.0",
+        required_patches=_COMMON_PATCHES,
+        has_compile_sp_pass=False,
+        qwen3_moe_gate_cls="vllm.model_executor.layers.fused_moe.router.gate_linear.GateLinear",
+    ),
+)
+SUPPORTED_VERSIONS = tuple(release.version for release in RELEASES)
+
+
+def release_for(version: str) -> Release:
+    """The supported release called `version`; RuntimeError naming the supported ones."""
+    for release in RELEASES:
+        if release.version == version:
+            return release
+    raise RuntimeError(
+        f"vllm_afd: vLLM {version} is not a supported release; expected one of "
+        f"{', '.join(SUPPORTED_VERSIONS)}. Install a patched build of one of them "
+        "(README, Supported vLLM releases)."
+    )
+
+
+def release_for_commit(commit: str) -> Release | None:
+    """The supported release whose pin commit `commit` names (either may be a prefix)."""
+    for release in RELEASES:
+        if commit and (commit.startswith(release.commit) or release.commit.startswith(commit)):
+            return release
+    return None
+
+
+@functools.cache
+def installed() -> Release:
+    """The release of the installed vLLM."""
+    from vllm.version import __version__
+
+    return release_for(__version__)
+
+
+def compile_sequence_parallelism(compilation_config: CompilationConfig) -> bool:
+    """Is compile-time sequence parallelism on?  (Always off on releases without the pass.)"""
+    if not installed().has_compile_sp_pass:
+        return False
+    return bool(compilation_config.pass_config.enable_sp)
