@@ -1,22 +1,59 @@
 #!/usr/bin/env bash
-# The project's test command (README): set up .venv, run the gates, then every test tier.
-#   tier 1  gates: monkeypatch AST check, patch lint, zero-fuzz check on the pin, patches/ up to date
-#   tier 2  fast tests (unit, patch engine, contracts, models in-process)
-#   tier 3  e2e tests: real vLLM processes on loopback (marked e2e; slow)
-# Pass pytest arguments after `--`, e.g. `bash ci/test.sh -- -k config`.
+# The project's test command (README): set up one venv per supported vLLM release, run the
+# gates, then every test tier on each release, then the advisory rebase report.
+#   tier 1  gates: monkeypatch AST check; per series: patch lint, zero-fuzz check on both wheels
+#           of its pin, patches up to date; the committed rebase report names the current series
+#   tier 2  fast tests (unit, patch engine, contracts, models in-process) on every release
+#           (the patch-engine tests, tests/patches, are release-free and run once)
+#   tier 3  e2e tests: real vLLM processes on loopback; the full set on VLLM_PIN's release, the
+#           set in $E2E_SECOND_PIN on the others (AFD == plain tokens for both models, the FFN's
+#           request veto, patched-without-AFD == pristine)
+#   advisory: the rebase report of every series on the newest vLLM on the package index, kept
+#           as runs/rebase-report-newest.{md,json}; never fails CI
+# Pass pytest arguments after `--`, e.g. `bash ci/test.sh -- -k config`.  AFD_PINS selects the
+# releases (default: every VLLM_PIN* file), e.g. AFD_PINS=VLLM_PIN for the oldest only.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash ci/setup_env.sh
-PY=${AFD_VENV:-.venv}/bin/python
+PINS=${AFD_PINS:-$(ls VLLM_PIN VLLM_PIN-* 2>/dev/null | tr '\n' ' ')}
+E2E_SECOND_PIN=${E2E_SECOND_PIN:-"tests/e2e/test_afd_cpu.py::test_afd_tokens_equal_plain_vllm
+ tests/e2e/test_afd_cpu.py::test_ffn_server_refuses_generation_and_points_to_attention
+ tests/e2e/test_zero_change.py"}
+pin_value() { sed -n "s/^$2[[:space:]]*=[[:space:]]*//p" "$1" | head -1; }
+venv_of() {  # the venv ci/setup_env.sh makes for a pin file
+    if [ "$1" = VLLM_PIN ]; then echo .venv; else v=$(pin_value "$1" version); echo ".venv-${v%.*}"; fi
+}
+for pin in $PINS; do AFD_PIN=$pin bash ci/setup_env.sh; done
+PY=$(venv_of VLLM_PIN)/bin/python
 
 echo "== tier 1: gates"
 "$PY" ci/check_no_monkeypatch.py overlay scripts tests/harness
-"$PY" scripts/apply_patches.py --lint
-"$PY" scripts/apply_patches.py --check --vllm ced6857 --flavor all
-"$PY" scripts/apply_patches.py --refresh --dry-run --vllm ced6857 --flavor cpu   # patches/ is up to date
+for pin in $PINS; do
+    short=$(pin_value "$pin" short)
+    echo "-- $pin (vLLM $(pin_value "$pin" version), --vllm $short)"
+    "$PY" scripts/apply_patches.py --lint --pin "$pin"
+    "$PY" scripts/apply_patches.py --check --vllm "$short" --flavor all -q
+    "$PY" scripts/apply_patches.py --refresh --dry-run --vllm "$short" --flavor cpu   # series up to date
+done
+bash ci/rebase_report.sh --check
 
 [ "${1:-}" = "--" ] && shift
-echo "== tier 2: fast tests"
-"$PY" -m pytest -m "not e2e" "$@"
-echo "== tier 3: e2e tests (real vLLM processes)"
-"$PY" -m pytest -m e2e "$@"
+for pin in $PINS; do
+    echo "== tier 2: fast tests on vLLM $(pin_value "$pin" version)"
+    if [ "$pin" = VLLM_PIN ]; then
+        "$(venv_of "$pin")/bin/python" -m pytest -m "not e2e" "$@"
+    else
+        "$(venv_of "$pin")/bin/python" -m pytest -m "not e2e" --ignore tests/patches "$@"
+    fi
+done
+for pin in $PINS; do
+    echo "== tier 3: e2e tests on vLLM $(pin_value "$pin" version) (real vLLM processes)"
+    if [ "$pin" = VLLM_PIN ]; then
+        "$(venv_of "$pin")/bin/python" -m pytest -m e2e "$@"
+    else
+        # shellcheck disable=SC2086  # one test id per word
+        "$(venv_of "$pin")/bin/python" -m pytest -m e2e $E2E_SECOND_PIN "$@"
+    fi
+done
+
+echo "== advisory: rebase report on the newest vLLM on the package index"
+bash ci/rebase_report.sh --newest || echo "advisory: the rebase report failed (exit $?); not a CI failure"

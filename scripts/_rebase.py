@@ -283,7 +283,7 @@ def _semantic_checks(patches: list[_series.Patch], result: _placement.SeriesResu
                          for n in sorted(new - old)]
         for patch in patches:
             if any(f.path == path for f in patch.files):
-                findings += [Finding("anchor", patch.name, path, None, problem,
+                findings += [Finding("anchor", patch.name, path, None, problem.split(": ", 1)[1],
                                      f"`{patch.name}`: update its `Anchor:` lines or move the fence.")
                              for problem in anchor_problems(patch, path, data)]
     return findings

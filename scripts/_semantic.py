@@ -206,7 +206,7 @@ def seam_context_changes(patch: _series.Patch, path: str, pin_before: bytes, tar
             "seam-context", patch.name, path, upstream.lineno,
             f"`{qual}` computes what it passes to the seam ({', '.join(sorted(names))}) differently "
             f"in {release}: `{stmt.splitlines()[0][:90]}`{where}{before}",
-            f"check what the seam's readers ({used_by}) infer from that value; record the "
+            f"`{patch.name}`: check what the seam's readers ({used_by}) infer from that value; record the "
             "release's meaning in overlay/vllm_afd/releases.py and pin it with a test before the "
             "release is supported."))
     return findings

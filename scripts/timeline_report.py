@@ -78,8 +78,8 @@ def breakdown(ranks: dict[str, list[StepRecord]]) -> list[dict[str, Any]]:
             "FFN compute": _median_ms([s for r in ffn for s in r.ffn_compute_ns()]),
             "FFN idle": _median_ms([s for r in ffn for s in r.spans_ns("a2f_recv_start", "a2f_recv_end")]),
             "step": _median_ms([p // layers for p in periods]),
-            "host syncs": statistics.median([r.host_syncs for r in records]),
-            "FFN host syncs": statistics.median([r.host_syncs for r in ffn]) if ffn else None,
+            "host syncs": statistics.median_low([r.host_syncs for r in records]),
+            "FFN host syncs": statistics.median_low([r.host_syncs for r in ffn]) if ffn else None,
         }
         if row["round trip"] is not None and row["FFN compute"] is not None:
             row["transport"] = row["round trip"] - row["FFN compute"]

@@ -11,11 +11,14 @@ API server:
   core) makes a private directory, names it in ``VLLM_AFD_METRICS_DIR`` for its children, and adds a
   ``MultiProcessCollector`` for it to the default registry, which its /metrics serves.
 
-A metrics error is logged once and stops this rank's metrics; it never reaches a step.
+The step path only counts the step and queues its timeline records; a daemon thread per rank
+writes them and the connector's peer state every WATCH_INTERVAL_S. A metrics error is logged once
+and stops this rank's metrics; it never reaches a step.
 """
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import logging
 import multiprocessing
@@ -40,6 +43,7 @@ __all__ = [
     "AFDMetrics",
     "expose_worker_metrics",
     "exposed_transport_ns",
+    "round_trip_intervals",
     "make_rank_metrics",
     "metrics_dir",
 ]
@@ -55,8 +59,10 @@ BUCKETS_S = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2
              0.1, 0.25, 0.5, 1.0)
 # Steps the exposed-transport share gauge averages over (the counters hold the whole run).
 SHARE_WINDOW_STEPS = 64
-# How often the watcher reads the connector's peer state and rendezvous duration.
+# How often the watcher writes the queued records and reads the connector's state.
 WATCH_INTERVAL_S = 0.5
+# Records queued for the watcher at most (the oldest are dropped: the watcher stopped).
+MAX_PENDING_RECORDS = 4096
 LABEL_NAMES = ("role", "role_rank", "connector")
 
 HELP = {
@@ -110,26 +116,38 @@ def make_rank_metrics(role: str, role_rank: int, connector_name: str, connector:
     return metrics
 
 
-def exposed_transport_ns(record: StepRecord) -> tuple[int, int]:
-    """Attention record: (time with at least one exchange in flight, layer-loop span) in ns.
+def round_trip_intervals(record: StepRecord) -> list[tuple[int, int]]:
+    """Attention record: (send start, output received) of every exchange, in ns, sorted."""
+    starts = {}
+    intervals = []
+    for m in record.marks:
+        if m.kind == A2F_SEND_START:
+            starts[(m.exchange, m.stage)] = m.t_ns
+        elif m.kind == F2A_RECV_END and (m.exchange, m.stage) in starts:
+            intervals.append((starts[(m.exchange, m.stage)], m.t_ns))
+    intervals.sort()
+    return intervals
+
+
+def exposed_transport_ns(intervals: Sequence[tuple[int, int]]) -> tuple[int, int]:
+    """(time with at least one exchange in flight, layer-loop span) in ns, from sorted intervals.
 
     An exchange is in flight from its send start to its output received; the layer loop runs from
     the step's first send start to its last output received.
     """
-    starts = {(m.exchange, m.stage): m.t_ns for m in record.marks if m.kind == A2F_SEND_START}
-    intervals = sorted((starts[(m.exchange, m.stage)], m.t_ns) for m in record.marks
-                       if m.kind == F2A_RECV_END and (m.exchange, m.stage) in starts)
     if not intervals:
         return 0, 0
     busy, (cur_start, cur_end) = 0, intervals[0]
+    last_end = cur_end
     for start, end in intervals[1:]:
+        last_end = max(last_end, end)
         if start > cur_end:
             busy += cur_end - cur_start
             cur_start, cur_end = start, end
         else:
             cur_end = max(cur_end, end)
     busy += cur_end - cur_start
-    return busy, max(end for _, end in intervals) - intervals[0][0]
+    return busy, last_end - intervals[0][0]
 
 
 class _Files:
@@ -160,27 +178,29 @@ class _Histogram:
     def __init__(self, name: str, labels: dict[str, str]) -> None:
         bucket_names = [*labels, "le"]
         bounds = [*BUCKETS_S, float("inf")]
-        self.bounds = BUCKETS_S
+        self.bounds_ns = [round(b * 1e9) for b in BUCKETS_S]
         self.counts = [0] * len(bounds)
-        self.sum_s = 0.0
+        self.sum_ns = 0
         self.bucket_keys = [mmap_key(name, f"{name}_bucket", bucket_names,
                                      [*labels.values(), floatToGoString(b)], HELP[name]) for b in bounds]
         self.sum_key = mmap_key(name, f"{name}_sum", list(labels), list(labels.values()), HELP[name])
 
-    def observe_ns(self, values_ns: Iterable[int]) -> set[int]:
-        """Add the values; returns the touched bucket indices."""
-        touched = set()
+    def observe_ns(self, values_ns: Iterable[int], touched: set[int]) -> None:
+        """Add the values (ns); adds the indices of the buckets they fell in to ``touched``."""
         for value_ns in values_ns:
-            seconds = value_ns / 1e9
-            index = next((i for i, bound in enumerate(self.bounds) if seconds <= bound), len(self.bounds))
+            index = bisect.bisect_left(self.bounds_ns, value_ns)  # first bound >= value (le)
             self.counts[index] += 1
-            self.sum_s += seconds
+            self.sum_ns += value_ns
             touched.add(index)
-        return touched
 
 
 class AFDMetrics:
-    """One rank's AFD metrics, written to its multiprocess files; see the module docstring."""
+    """One rank's AFD metrics, written to its multiprocess files; see the module docstring.
+
+    The step path (``observe_steps``) only counts the step and queues its records; the watcher
+    thread (``flush``, every WATCH_INTERVAL_S) turns them into samples, reads the connector's peer
+    state and writes the files, so the step never waits for the metrics' lock or an mmap write.
+    """
 
     def __init__(self, directory: str, role: str, role_rank: int, connector_name: str) -> None:
         self.role = role
@@ -188,7 +208,10 @@ class AFDMetrics:
         self.steps = 0
         self.exposed_ns = 0
         self.loop_ns = 0
-        self._window: deque[tuple[int, int]] = deque(maxlen=SHARE_WINDOW_STEPS)
+        self._steps_written = -1
+        self._pending: deque[StepRecord] = deque(maxlen=MAX_PENDING_RECORDS)
+        self._window: deque[tuple[int, int]] = deque(maxlen=SHARE_WINDOW_STEPS)  # (busy, span) ns
+        self._window_busy = self._window_span = 0
         self._peer: tuple[bool, bool] | None = None
         self._rendezvous_written = False
         self._last_payload: Any = None
@@ -203,17 +226,26 @@ class AFDMetrics:
         ident = f"afd-{role}-{role_rank}-{os.getpid()}-{next(_writer_ids)}"
         self._files = _Files(directory, ident)
         with self._lock:
-            self._write_counter("afd_steps", self.steps)
+            self._write_steps()
             self._write_histogram(range(len(self.histogram.counts)))
             if role == "attention":
                 self._write_share()
-            self._write_gauge("afd_peer_up", 0.0)
-            self._write_gauge("afd_peer_lost", 0.0)
+            self._set_peer_state(False, False)
 
     # ---- what the runners report ---------------------------------------------------------------
     def observe_steps(self, records: Sequence[StepRecord]) -> None:
-        """After each executed step: count it, and add the timeline records that completed so far."""
-        self._guarded(self._observe_steps, records)
+        """After each executed step (step path): count it and queue the records completed so far."""
+        if self._broken:
+            return
+        try:
+            self._count_step()
+            self._pending.extend(records)
+        except Exception:  # noqa: BLE001 - metrics never break serving
+            self._fail()
+
+    def flush(self) -> None:
+        """Write what was observed since the last flush and the connector's state (watcher, close)."""
+        self._guarded(self._flush)
 
     def set_peer_state(self, up: bool, lost: bool) -> None:
         self._guarded(self._set_peer_state, up, lost)
@@ -221,20 +253,21 @@ class AFDMetrics:
     def set_rendezvous_seconds(self, seconds: float) -> None:
         self._guarded(self._set_rendezvous_seconds, seconds)
 
-    def watch(self, connector: Any) -> None:
-        """Follow ``connector``'s peer state and rendezvous duration on a daemon thread."""
+    def watch(self, connector: Any, *, thread: bool = True) -> None:
+        """Count ``connector``'s steps, follow its peer state and rendezvous; start the watcher thread
+        (tests without it call ``flush``)."""
         self._connector = connector
-        self._thread = threading.Thread(target=self._watch, name="afd-metrics", daemon=True)
-        self._thread.start()
+        if thread:
+            self._thread = threading.Thread(target=self._watch, name="afd-metrics", daemon=True)
+            self._thread.start()
 
     def close(self) -> None:
-        """Stop watching, write the final peer state; the files stay for the front end to serve."""
+        """Stop the watcher, write the last records and peer state; the files stay for the front end."""
         self._stop.set()
         thread, self._thread = self._thread, None
         if thread is not None:
             thread.join(2 * WATCH_INTERVAL_S)
-        if self._connector is not None:
-            self._guarded(self._poll)
+        self.flush()
         with self._lock:
             self._broken = True
             self._files.close()
@@ -247,44 +280,59 @@ class AFDMetrics:
             with self._lock:
                 if not self._broken:
                     fn(*args)
-        except Exception:  # noqa: BLE001 - metrics never break serving: log once, stop this rank's metrics
+        except Exception:  # noqa: BLE001 - metrics never break serving
+            self._fail()
+
+    def _fail(self) -> None:
+        """Log once with the traceback; this rank's metrics stop here."""
+        if not self._broken:
             self._broken = True
             logger.exception("AFD metrics of %s rank %s failed; they stop here (serving goes on)",
                              self.role, self.labels["role_rank"])
 
     def _watch(self) -> None:
         while not self._stop.wait(WATCH_INTERVAL_S):
-            self._guarded(self._poll)
-
-    def _poll(self) -> None:
-        connector = self._connector
-        self._set_peer_state(connector.is_initialized, connector.failure is not None)
-        if connector.rendezvous_s is not None and not self._rendezvous_written:
-            self._set_rendezvous_seconds(connector.rendezvous_s)
+            self.flush()
 
     def _count_step(self) -> None:
         payload = None if self._connector is None else self._connector.steps.payload
         if payload is None or payload is self._last_payload:
             return
         self._last_payload = payload
-        if payload.is_graph_capturing or payload.is_warmup or payload.is_profile:
-            return
-        self.steps += 1
-        self._write_counter("afd_steps", self.steps)
+        if not (payload.is_graph_capturing or payload.is_warmup or payload.is_profile):
+            self.steps += 1
 
-    def _observe_steps(self, records: Sequence[StepRecord]) -> None:
-        self._count_step()
+    def _flush(self) -> None:
+        connector = self._connector
+        if connector is not None:
+            self._set_peer_state(connector.is_initialized, connector.failure is not None)
+            if connector.rendezvous_s is not None and not self._rendezvous_written:
+                self._set_rendezvous_seconds(connector.rendezvous_s)
+        records = []
+        while self._pending:
+            records.append(self._pending.popleft())
+        self._observe(records)
+        self._write_steps()
+
+    def _observe(self, records: Sequence[StepRecord]) -> None:
         records = [r for r in records if not (r.warmup or r.profile)]
         touched: set[int] = set()
         for record in records:
             if self.role == "attention":
-                touched |= self.histogram.observe_ns(record.round_trips_ns())
-                busy, span = exposed_transport_ns(record)
+                intervals = round_trip_intervals(record)
+                self.histogram.observe_ns([end - start for start, end in intervals], touched)
+                busy, span = exposed_transport_ns(intervals)
                 self.exposed_ns += busy
                 self.loop_ns += span
+                if len(self._window) == self._window.maxlen:
+                    old_busy, old_span = self._window[0]
+                    self._window_busy -= old_busy
+                    self._window_span -= old_span
                 self._window.append((busy, span))
+                self._window_busy += busy
+                self._window_span += span
             else:
-                touched |= self.histogram.observe_ns(record.ffn_compute_ns())
+                self.histogram.observe_ns(record.ffn_compute_ns(), touched)
         if records:
             self._write_histogram(touched)
             if self.role == "attention":
@@ -308,6 +356,12 @@ class AFDMetrics:
                                                 list(self.labels.values()), HELP[metric])
         return key
 
+    def _write_steps(self) -> None:
+        steps = self.steps
+        if steps != self._steps_written:
+            self._steps_written = steps
+            self._files.write("counter", self._key("afd_steps", "afd_steps_total"), steps)
+
     def _write_counter(self, metric: str, value: float) -> None:
         self._files.write("counter", self._key(metric, f"{metric}_total"), value)
 
@@ -319,11 +373,10 @@ class AFDMetrics:
         h = self.histogram
         for index in buckets:
             self._files.write("histogram", h.bucket_keys[index], float(h.counts[index]))
-        self._files.write("histogram", h.sum_key, h.sum_s)
+        self._files.write("histogram", h.sum_key, h.sum_ns / 1e9)
 
     def _write_share(self) -> None:
         self._write_counter("afd_exposed_transport_seconds", self.exposed_ns / 1e9)
         self._write_counter("afd_layer_loop_seconds", self.loop_ns / 1e9)
-        span = sum(s for _, s in self._window)
-        share = sum(b for b, _ in self._window) / span if span else 0.0
+        share = self._window_busy / self._window_span if self._window_span else 0.0
         self._write_gauge("afd_exposed_transport_share", share)

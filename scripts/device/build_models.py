@@ -45,7 +45,7 @@ def build_one(arch: str, out_dir: Path, prebuilt: Path | None, seed: int) -> dic
     assert recipe is not None, f"build_models: {model_dir} has no recipe after the build"
     return {"path": str(model_dir), "source": source, "recipe_hash": recipe["recipe_hash"],
             "architecture": recipe["architecture"], "config": recipe["config"],
-            "serve_env": recipe.get("serve_env", {}), "versions": recipe.get("versions", {})}
+            "serve_env": recipe.get("serve_env", {}), "serve_args": recipe.get("serve_args", []), "versions": recipe.get("versions", {})}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -264,7 +264,29 @@ def _bench_lines(bench: Mapping[str, Any]) -> list[str]:
         return []
     return ["### Decode throughput (tok/s, median of repeats; ratios side by side)", "",
             markdown_table(["model", "batch", "plain eager", "plain graphs", "AFD eager (gloo)",
-                            "AFD / plain eager", "AFD / plain graphs", "graphs / eager"], rows)]
+                            "AFD / plain eager", "AFD / plain graphs", "graphs / eager"], rows),
+            *_prompt_len_lines(bench)]
+
+
+def _prompt_len_lines(bench: Mapping[str, Any]) -> list[str]:
+    """One row per (model, prompt length, batch) when the bench ran several prompt lengths."""
+    rows = []
+    for model, result in bench.get("models", {}).items():
+        for prompt_len, by_len in result.get("by_prompt_len", {}).items():
+            variants = by_len.get("variants", {})
+            per_layer = by_len.get("serving_per_layer_ms_by_variant", {})
+            for batch in by_len.get("batches", []):
+                def tok_s(name: str) -> float | None:
+                    entry = variants.get(name, {}).get(str(batch))
+                    return entry["tok_s"] if entry else None
+                rows.append([model, prompt_len, batch, tok_s("plain_eager"), tok_s("plain_graphs"),
+                             tok_s("afd_ipc_graphs"), ratio(tok_s("afd_ipc_graphs"), tok_s("plain_graphs")),
+                             per_layer.get("afd_ipc_graphs", {}).get(str(batch))])
+    if not rows:
+        return []
+    return ["", "### Decode throughput by prompt length (tok/s; AFD over IPC with graphs)", "",
+            markdown_table(["model", "prompt tokens", "batch", "plain eager", "plain graphs", "AFD IPC graphs",
+                            "AFD IPC graphs / plain graphs", "serving ms per crossing layer"], rows)]
 
 
 def _rtt_lines(rtt: Mapping[str, Any], bench: Mapping[str, Any]) -> list[str]:

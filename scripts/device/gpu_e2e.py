@@ -116,12 +116,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="plain_graphs: FULL_DECODE_ONLY without torch.compile (none) or with vLLM's default compile")
     add("--serve-args", default="", help="extra flags for every vllm serve")
     add("--timeline", action="store_true",
-        help="AFD ranks stamp their per-layer timeline (docs/timeline.md) into OUT/timeline/<model>/<variant>; "
+        help="AFD ranks stamp their per-layer timeline (docs/timeline.md) into logs/timeline/<model>/<variant> "
+             "(in OUT/logs.tar.gz); "
              "each round then writes timeline.md and timeline.png there (stamps cost a little throughput)")
     add("--token-max-tokens", type=int, default=24)
     add("--bench-batches", type=_arg(lambda s: report.parse_int_list(s, "--bench-batches")), default=[1, 32])
     add("--bench-tokens", type=int, default=128)
-    add("--bench-prompt-len", type=int, default=32)
+    add("--bench-prompt-len", type=_arg(lambda s: report.parse_int_list(s, "--bench-prompt-len")), default=[32],
+        help="prompt tokens of the bench requests; several (e.g. 512,8192): one bench per length, same servers")
     add("--bench-repeats", type=int, default=3)
     add("--rtt-shapes", default="1x128,32x128,1x2048,64x2048,256x2048")
     add("--rtt-steps", type=int, default=100)

@@ -237,8 +237,8 @@ def serve_round(run: Run, arch: str, variants: list[str], *, do_tokens: bool, do
         gpu_mem_util=args.gpu_mem_util, kv_cache_bytes=args.kv_cache_bytes,
         capture_sizes=tuple(sorted({1, 2, 4, 8, 16, 32, 64, *args.bench_batches} - {0})),
         graph_compile=args.graph_compile, rendezvous_timeout_s=max(60.0, args.startup_timeout_s - 30),
-        extra_args=tuple(shlex.split(args.serve_args)),
-        timeline_dir=str(run.out_dir / "timeline" / arch) if args.timeline else "")
+        extra_args=(*model.get("serve_args", ()), *shlex.split(args.serve_args)),
+        timeline_dir=str(run.logs_dir / "timeline" / arch) if args.timeline else "")
     cpu_env = model.get("serve_env", {}) if args.platform == "cpu" else {}
     ports = {variant: _free_port() for variant in variants if variant in serving.AFD_VARIANTS}
     specs = serving.server_specs(variants, settings, afd_port=ports, cpu_env=cpu_env)
@@ -263,9 +263,10 @@ def serve_round(run: Run, arch: str, variants: list[str], *, do_tokens: bool, do
                     lambda url=url: serving.run_token_cases(url, args.token_max_tokens, args.request_timeout_s))
         if do_bench and urls and run.time_left() > 45:
             plan = serving.BenchPlan(batches=tuple(args.bench_batches), max_tokens=args.bench_tokens,
-                                     prompt_len=args.bench_prompt_len, repeats=args.bench_repeats,
+                                     prompt_len=args.bench_prompt_len[0], repeats=args.bench_repeats,
                                      timeout_s=args.request_timeout_s)
-            result["bench"] = serving.run_decode_bench(urls, plan, run.time_left)
+            result["bench"] = serving.run_decode_bench(
+                urls, plan, run.time_left, prompt_lens=args.bench_prompt_len if len(args.bench_prompt_len) > 1 else ())
     finally:
         # NOTE: logs up to here show the serving window; what follows is shutdown (the FFN, for one,
         # reports its lost attention peer by design), so tracebacks are counted for both spans.

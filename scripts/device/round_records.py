@@ -40,4 +40,8 @@ def bench_record(result: dict[str, Any], model: dict[str, Any]) -> dict[str, Any
         by_variant = ipc_report.per_layer_by_variant(bench["variants"], bench["batches"], num_layers)
         bench["serving_per_layer_ms_by_variant"] = by_variant
         bench["serving_per_layer_ms"] = by_variant.get("afd_eager", {})
+        for by_len in bench.get("by_prompt_len", {}).values():
+            if "variants" in by_len:
+                by_len["serving_per_layer_ms_by_variant"] = ipc_report.per_layer_by_variant(
+                    by_len["variants"], by_len["batches"], num_layers)
     return bench

@@ -286,8 +286,23 @@ class BenchPlan:
     timeout_s: float = 120.0
 
 
-def run_decode_bench(urls: Mapping[str, str], plan: BenchPlan,
-                     time_left: Callable[[], float], reserve_s: float = 30.0) -> dict[str, Any]:
+def run_decode_bench(urls: Mapping[str, str], plan: BenchPlan, time_left: Callable[[], float],
+                     reserve_s: float = 30.0, prompt_lens: Sequence[int] = ()) -> dict[str, Any]:
+    """The bench at ``plan.prompt_len``; with ``prompt_lens``, once per prompt length (same servers), the
+    first one's result at the top level and every one under ``by_prompt_len``."""
+    if not prompt_lens:
+        return _decode_bench(urls, plan, time_left, reserve_s)
+    results = {}
+    for prompt_len in prompt_lens:
+        results[str(prompt_len)] = _decode_bench(
+            urls, BenchPlan(batches=plan.batches, max_tokens=plan.max_tokens, prompt_len=prompt_len,
+                            repeats=plan.repeats, warmup=plan.warmup, timeout_s=plan.timeout_s),
+            time_left, reserve_s)
+    return {**results[str(prompt_lens[0])], "by_prompt_len": results}
+
+
+def _decode_bench(urls: Mapping[str, str], plan: BenchPlan,
+                  time_left: Callable[[], float], reserve_s: float = 30.0) -> dict[str, Any]:
     """Interleaved decode timing: rep -> batch -> variant (rotated per rep), max_tokens vs 1-token requests."""
     from afd_harness.server import complete_batch
 

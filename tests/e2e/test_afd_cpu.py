@@ -58,9 +58,10 @@ def plain_outputs(arch, tiny_model_dir, vllm_python, tmp_path_factory):
 def deployment(arch, tiny_model_dir, vllm_python, tmp_path_factory):
     from afd_harness.tiny_models import serve_env
 
-    afd = AFDDeployment(tiny_model_dir(arch), python=vllm_python,
-                        log_dir=tmp_path_factory.mktemp(f"afd-{arch}"),
-                        attention_first=MODELS[arch], env=serve_env(tiny_model_dir(arch)))
+    log_dir = tmp_path_factory.mktemp(f"afd-{arch}")
+    afd = AFDDeployment(tiny_model_dir(arch), python=vllm_python, log_dir=log_dir,
+                        attention_first=MODELS[arch], env=serve_env(tiny_model_dir(arch)),
+                        afd_fields={"timeline_dir": str(log_dir / "timeline")})
     with afd:
         yield afd
 
@@ -69,6 +70,30 @@ def test_afd_tokens_equal_plain_vllm(plain_outputs, deployment):
     outputs = greedy_outputs(deployment.attention.base_url)
 
     assert outputs == plain_outputs
+
+
+def test_the_timeline_has_every_crossing_layer_of_both_roles(deployment):
+    """timeline_dir on both roles: one record per step and rank, joined by the report (docs/timeline.md)."""
+    import json
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parents[2] / "scripts"))
+    import timeline_report
+
+    complete(deployment.attention.base_url, PROMPTS[0], 4)
+    directory = deployment.log_dir / "timeline"
+    config = json.loads((deployment.model / "config.json").read_text())
+    ranks = timeline_report.load(directory)
+
+    assert sorted(ranks) == ["attention-0", "ffn-0"]
+    rows = timeline_report.breakdown(ranks)
+    assert rows and all(row["layers"] == config["num_hidden_layers"] and row["kind"] == "eager" for row in rows)
+    for row in rows:
+        assert row["round trip"] >= row["FFN compute"] > 0 and row["attention compute"] > 0
+        assert row["host syncs"] == 0 and row["FFN host syncs"] == 0  # CPU: nothing to wait for
+    steps = {name: [r.step_seq for r in records] for name, records in ranks.items()}
+    assert set(steps["attention-0"]) & set(steps["ffn-0"])  # the same steps, seen from both roles
 
 
 def test_ffn_server_refuses_generation_and_points_to_attention(deployment):

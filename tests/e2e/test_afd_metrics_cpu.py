@@ -7,6 +7,7 @@ process, so every value checked here crossed a process boundary.
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import requests
@@ -21,20 +22,27 @@ PROMPTS = ["Hello, my name is", "The capital of France is", "1 2 3 4 5"]
 MAX_TOKENS = 8
 
 
-def scrape(base_url: str) -> dict[tuple[str, str], float]:
-    """AFD samples of one /metrics page: (sample name, role) -> value; each AFD series once."""
+def scrape_ranks(base_url: str) -> dict[tuple[str, str, str], float]:
+    """AFD samples of one /metrics page: (sample name, role, role_rank) -> value; each series once."""
     page = requests.get(f"{base_url}/metrics", timeout=30)
     page.raise_for_status()
-    values: dict[tuple[str, str], float] = {}
+    values: dict[tuple[str, str, str], float] = {}
     for family in text_string_to_metric_families(page.text):
         for sample in family.samples:
             if sample.name.startswith("afd_") and "le" not in sample.labels:
-                assert sample.labels["connector"] == DEFAULT_CONNECTOR and sample.labels["role_rank"] == "0"
-                key = (sample.name, sample.labels["role"])
+                assert sample.labels["connector"] == DEFAULT_CONNECTOR, sample
+                key = (sample.name, sample.labels["role"], sample.labels["role_rank"])
                 assert key not in values, f"{key} twice on {base_url}/metrics"
                 values[key] = sample.value
-    values["vllm_metrics"] = float("vllm:num_requests_running" in page.text)
+    values["vllm_metrics", "", ""] = float("vllm:num_requests_running" in page.text)
     return values
+
+
+def scrape(base_url: str) -> dict[tuple[str, str], float]:
+    """As scrape_ranks for a page of rank 0 only: (sample name, role) -> value."""
+    values = scrape_ranks(base_url)
+    assert {rank for _, _, rank in values} <= {"", "0"}, sorted(values)
+    return {(name, role) if role else name: value for (name, role, _), value in values.items()}
 
 
 def wait_for(predicate, timeout_s: float = 30.0) -> bool:
@@ -53,12 +61,16 @@ def test_afd_metrics_move_on_both_roles_while_serving_and_show_a_lost_peer(tiny_
     model = tiny_model_dir("qwen3_moe")
     with AFDDeployment(model, python=vllm_python, log_dir=tmp_path, env=serve_env(model)) as afd:
         attention_url, ffn_url = afd.attention.base_url, afd.ffn.base_url
-        # The watcher writes the peer state every 0.5 s: up once both servers are healthy.
+        # Each rank's watcher writes its peer state every 0.5 s: up once both servers are healthy.
         assert wait_for(lambda: scrape(ffn_url).get(("afd_peer_up", "ffn")) == 1.0)
         before = {"attention": scrape(attention_url), "ffn": scrape(ffn_url)}
 
         complete_batch(attention_url, PROMPTS, MAX_TOKENS)
         complete(attention_url, PROMPTS[0], MAX_TOKENS, stream=True)
+        # The watcher writes what the steps queued every 0.5 s.
+        steps = ("afd_steps_total", "attention")
+        wait_for(lambda: scrape(attention_url)[steps] >= before["attention"][steps] + 2 * MAX_TOKENS)
+        time.sleep(1.0)  # and the FFN's watcher its last steps
         after = {"attention": scrape(attention_url), "ffn": scrape(ffn_url)}
 
         afd.ffn.stop()
@@ -86,3 +98,24 @@ def test_afd_metrics_move_on_both_roles_while_serving_and_show_a_lost_peer(tiny_
     assert lost, f"attention never reported the lost FFN: {last}"
     assert last[("afd_peer_up", "attention")] == 0.0
     assert last[round_trips] >= a1[round_trips]  # counters survive the engine's death
+
+
+def test_two_attention_dp_ranks_show_on_vllms_multiprocess_metrics_page(tiny_model_dir, vllm_python, tmp_path):
+    """DP 2: two engine cores and two API servers, so vLLM's PROMETHEUS_MULTIPROC_DIR mode."""
+    model = tiny_model_dir("qwen3_moe")
+    afd = AFDDeployment(model, python=vllm_python, log_dir=tmp_path, afd_fields={"num_attention_ranks": 2},
+                        attention_args=["--data-parallel-size", "2"], attention_cpus="1|1")
+    with afd:
+        url = afd.attention.base_url
+        with ThreadPoolExecutor(6) as pool:  # concurrent requests: vLLM's DP balancer feeds both ranks
+            list(pool.map(lambda i: complete(url, PROMPTS[i % len(PROMPTS)], MAX_TOKENS), range(12)))
+        round_trips = [("afd_layer_round_trip_seconds_count", "attention", rank) for rank in "01"]
+        moved = wait_for(lambda: all(scrape_ranks(url).get(key, 0) > 0 for key in round_trips))
+        pages = [scrape_ranks(url) for _ in range(4)]  # either API server may answer
+
+    assert moved, pages[-1]
+    for page in pages:
+        for rank in "01":
+            assert page[("afd_peer_up", "attention", rank)] == 1.0
+            assert page[("afd_rendezvous_seconds", "attention", rank)] > 0.0
+            assert page[("afd_layer_round_trip_seconds_count", "attention", rank)] > 0

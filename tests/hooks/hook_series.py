@@ -14,19 +14,31 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-PATCHES = REPO / "patches"
 PROBE_SRC = REPO / "tests" / "hook_probe"
 SUBPROCESS_TIMEOUT_S = float(os.environ.get("AFD_HOOK_TEST_TIMEOUT_S", "600"))
 
 
+def pin_file() -> Path:
+    """The pin of the release under test: the installed vLLM's (vllm_afd/releases.py), else VLLM_PIN."""
+    try:
+        from vllm_afd.releases import installed
+
+        return REPO / installed().pin_file
+    except ImportError:
+        return REPO / "VLLM_PIN"
+
+
 def read_pin() -> dict[str, str]:
     pin: dict[str, str] = {}
-    for line in (REPO / "VLLM_PIN").read_text().splitlines():
+    for line in pin_file().read_text().splitlines():
         line = line.split("#", 1)[0].strip()
         if line:
             key, value = (part.strip() for part in line.split("=", 1))
             pin[key] = value
     return pin
+
+
+PATCHES = REPO / read_pin().get("patches", "patches")
 
 
 def series_names() -> list[str]:
@@ -64,7 +76,8 @@ def apply_series(root: Path, flavor: str) -> str:
     applier = REPO / "scripts" / "apply_patches.py"
     if applier.is_file():
         done = subprocess.run(
-            [sys.executable, str(applier), "--apply-to", str(root), "--flavor", flavor],
+            [sys.executable, str(applier), "--apply-to", str(root), "--flavor", flavor,
+             "--pin", str(pin_file())],
             cwd=REPO, capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S,
         )
         assert done.returncode == 0, f"apply_patches.py --apply-to failed:\n{done.stdout}{done.stderr}"

@@ -1,4 +1,5 @@
-"""What the AFD model classes assume of vLLM 0.30.0's native model code (docs/models.md).
+"""What the AFD model classes assume of the native model code of each supported vLLM release
+(docs/models.md; the release differences: overlay/vllm_afd/releases.py).
 
 The AFD classes run the native constructors and pick modules through the model seams of
 `patches/` (docs/hooks.md): pinned here are the seams' native defaults, the signatures of the
@@ -10,6 +11,7 @@ plain attribute and child a native `__init__` sets is also set on its AFD counte
 from __future__ import annotations
 
 import ast
+import importlib
 import inspect
 from pathlib import Path
 
@@ -32,6 +34,14 @@ from vllm.model_executor.models import qwen3_moe as qw  # noqa: E402
 
 from vllm_afd.models import deepseek_v2 as afd_ds  # noqa: E402
 from vllm_afd.models import qwen3_moe as afd_qw  # noqa: E402
+from vllm_afd.releases import installed  # noqa: E402
+
+RELEASE = installed()
+
+
+def resolve(qualified: str) -> type:
+    module, _, name = qualified.rpartition(".")
+    return vars(importlib.import_module(module))[name]
 
 
 def params(fn):
@@ -40,7 +50,7 @@ def params(fn):
 
 # (native class, seam attribute, its native default): the seams the AFD classes override.
 SEAM_DEFAULTS = [
-    (qw.Qwen3MoeSparseMoeBlock, "gate_cls", ReplicatedLinear),
+    (qw.Qwen3MoeSparseMoeBlock, "gate_cls", resolve(RELEASE.qwen3_moe_gate_cls)),
     (qw.Qwen3MoeSparseMoeBlock, "experts_apply_gate", True),
     (qw.Qwen3MoeDecoderLayer, "self_attn_cls", qw.Qwen3MoeAttention),
     (qw.Qwen3MoeDecoderLayer, "moe_block_cls", qw.Qwen3MoeSparseMoeBlock),
@@ -91,9 +101,18 @@ PINNED_SIGNATURES = [
 ]
 
 
+# Where a release's signature differs from 0.30.0's: {version: {qualname: parameters}}.  The
+# AFD routers pass keywords both releases accept (bias, quant_config, prefix).
+RELEASE_SIGNATURES = {
+    "0.32.0": {"GateLinear.__init__": ["self", "input_size", "output_size", "bias", "out_dtype", "params_dtype",
+                                       "force_fp32_compute", "skip_bias_add", "quant_config", "prefix",
+                                       "return_bias"]},
+}
+
+
 @pytest.mark.parametrize("fn, expected", PINNED_SIGNATURES, ids=lambda x: getattr(x, "__qualname__", ""))
 def test_native_signatures_are_the_pinned_ones(fn, expected):
-    assert params(fn) == expected
+    assert params(fn) == RELEASE_SIGNATURES.get(RELEASE.version, {}).get(fn.__qualname__, expected)
 
 
 @pytest.mark.parametrize("proxy, native", [

@@ -80,7 +80,10 @@ def test_renamed_local_is_caught_by_the_pyflakes_diff(run, tmp_path, pin):
 
     assert code == 3
     assert "| r-add-hook | `vllm/r.py` | 1/1 | 3 | 3 | +0 | exact | clean |" in out
-    assert "`vllm/r.py`: new pyflakes undefined name(s) ['dp_sync']" in out
+    assert ("undefined-name: `r-add-hook.patch` `vllm/r.py`: `dp_sync` is undefined after patching "
+            f"tree {target} (close names there: dp_sync_state); the patch still places") in out
+    assert "Patches: 1 applied (1 of them with semantic findings)." in out
+    assert "- `r-add-hook.patch`: use the name tree" in out and "(dp_sync_state) in the new series' hunk" in out
 
 
 def test_fuzz_is_a_flagged_diagnostic_only(run, tmp_path, tree, series, pin):
@@ -103,7 +106,9 @@ def test_fence_outside_its_anchor_is_reported(run, tmp_path, tree, pin):
     code, out = run("--rebase-report", target, "--patches", patches, "--pin", pin)
     check, out_check = run("--check", "--src", tree, "--patches", patches, "--pin", pin)
 
-    assert code == 3 and "anchor: a-add-hook.patch: fence at vllm/a.py:17 sits in ['vllm/a.py::f5']" in out
+    assert code == 3
+    assert "anchor: `a-add-hook.patch` `vllm/a.py`: fence at vllm/a.py:17 sits in ['vllm/a.py::f5']" in out
+    assert "- `a-add-hook.patch`: update its `Anchor:` lines or move the fence." in out
     assert check == 4 and "no declared Anchor" in out_check
 
 

@@ -184,3 +184,14 @@ def test_build_fingerprint_carries_the_checkpoint_digests(tmp_path):
     assert fingerprint.checkpoint == str(directory)
     assert (fingerprint.config_digest, fingerprint.weights_digest) == (
         digest(directory).config_digest, digest(directory).weights_digest)
+
+
+def test_an_unknown_digest_is_logged_with_the_fix(tmp_path, caplog):
+    (tmp_path / "config.json").write_text(json.dumps(CONFIG))
+    caplog.set_level("WARNING", logger="vllm_afd.checkpoint")
+
+    digest(tmp_path)
+
+    assert [record.getMessage() for record in caplog.records] == [
+        f"AFD checkpoint {tmp_path}: not compared at the handshake: unknown (no *.safetensors, *.bin or *.pt in "
+        f"{tmp_path}). Pass a local path, or download the checkpoint before starting, to have it checked"]

@@ -434,3 +434,34 @@ def test_connector_bench_runs_on_cpu():
     assert row["raw_host_ms"]["p50"] > 0 and row["connector_ms"]["p50"] > 0
     assert row["connector_over_raw_p50"] > 0 and "raw_staged_ms" not in row
 
+
+
+def test_server_specs_give_each_afd_variant_its_own_timeline_dir():
+    settings = serving.ServeSettings(timeline_dir="/w/logs/timeline/qwen3_moe")
+
+    specs = {s.name: s for s in serving.server_specs(["plain_eager", "afd_ipc_graphs"], settings, afd_port=7)}
+
+    for role in ("ffn", "attention"):
+        afd = json.loads(_args_after(specs[f"afd_ipcg_{role}"].args, "--additional-config"))["afd"]
+        assert afd["timeline_dir"] == "/w/logs/timeline/qwen3_moe/afd_ipc_graphs"
+    assert "--additional-config" not in specs["plain_eager"].args
+
+
+def test_the_report_has_a_row_per_prompt_length_and_the_timeline_tables():
+    rate = {"tok_s": 100.0, "tpot_ms": 10.0}
+    by_len = {"512": {"batches": [1], "variants": {"plain_graphs": {"1": rate}, "afd_ipc_graphs": {"1": {**rate, "tok_s": 80.0}}},
+                      "serving_per_layer_ms_by_variant": {"afd_ipc_graphs": {"1": 0.5}}}}
+    summary = {"phases": {"bench": {"status": "ok", "models": {"qwen3_30b_a3b_4l": {
+        "batches": [1], "variants": by_len["512"]["variants"], "by_prompt_len": by_len}}}},
+        "timeline": {"qwen3_30b_a3b_4l": {"afd_ipc_graphs": "| kind | rows |\n|---|---|\n| graph replay | 1 |"}}}
+
+    text = report.render_markdown(summary)
+
+    assert "| qwen3_30b_a3b_4l | 512 | 1 | — | 100 | 80 | 0.8 | 0.5 |" in text
+    assert "### Timeline, qwen3_30b_a3b_4l" in text and "| graph replay | 1 |" in text
+
+
+def test_bench_prompt_lengths_parse_as_a_list(capsys):
+    args = gpu_e2e.build_parser().parse_args(["--out", "/tmp/x", "--bench-prompt-len", "512,8192", "--timeline"])
+
+    assert args.bench_prompt_len == [512, 8192] and args.timeline

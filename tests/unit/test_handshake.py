@@ -268,17 +268,19 @@ def test_copies_of_one_checkpoint_at_different_paths_agree():
 def test_dummy_weights_on_one_role_only_are_a_mismatch():
     prints = by_label(fingerprints(overrides={("ffn", 0): {"weights_digest": "dummy"}}))
 
-    with pytest.raises(AFDConfigMismatchError, match=r"weights_digest \(attention=sha256:0123456789abcdef, ffn=dummy\)"):
+    expected = r"weights_digest \(attention=sha256:0123456789abcdef, ffn=dummy\)"
+    with pytest.raises(AFDConfigMismatchError, match=expected):
         compare_fingerprints(prints["attention rank 0"], [prints["ffn rank 0"]])
 
 
-_DIGESTS = st.sampled_from(["sha256:0123456789abcdef", "sha256:fedcba9876543210", "dummy",
-                            "unknown (not given)", "unknown ('org/model' is not a local path and not in the hub cache yet)"])
+_DIGESTS = st.sampled_from(["sha256:0123456789abcdef", "sha256:fedcba9876543210", "dummy", "unknown (not given)",
+                            "unknown ('org/model' is not a local path and not in the hub cache yet)"])
 
 
 @given(field=st.sampled_from(["config_digest", "weights_digest"]), ffn_digest=_DIGESTS, attention_digest=_DIGESTS)
 def test_a_digest_is_compared_unless_either_side_could_not_compute_it(field, ffn_digest, attention_digest):
-    prints = by_label(fingerprints(overrides={("ffn", 0): {field: ffn_digest}, ("attention", 0): {field: attention_digest}}))
+    overrides = {("ffn", 0): {field: ffn_digest}, ("attention", 0): {field: attention_digest}}
+    prints = by_label(fingerprints(overrides=overrides))
     unknown = ffn_digest.startswith("unknown") or attention_digest.startswith("unknown")
 
     if unknown or ffn_digest == attention_digest:

@@ -23,6 +23,7 @@ from vllm_afd.metrics import (
     expose_worker_metrics,
     exposed_transport_ns,
     make_rank_metrics,
+    round_trip_intervals,
 )
 from vllm_afd.wire.messages import ControlPayload
 from vllm_afd.wire.timeline import Mark, StepRecord
@@ -76,22 +77,24 @@ def test_records_become_histogram_buckets_count_and_sum(tmp_path_factory, role, 
     metrics = AFDMetrics(str(directory), role, 0, CONNECTOR)
 
     metrics.observe_steps([record(role, s) for s in steps])
+    metrics.flush()
     got = samples(directory)
 
     name = "afd_layer_round_trip_seconds" if role == "attention" else "afd_ffn_compute_seconds"
-    values = sorted(v / 1e9 for s in steps for v in s)
+    values_ns = sorted(v for s in steps for v in s)
     for bound in BUCKETS_S:
-        expected = bisect.bisect_right(values, bound)  # cumulative: values <= bound
+        expected = bisect.bisect_right(values_ns, round(bound * 1e9))  # cumulative: values <= bound
         assert got[(f"{name}_bucket", labels(role, le=floatToGoString(bound)))] == expected
-    assert got[(f"{name}_bucket", labels(role, le="+Inf"))] == len(values)
-    assert got[(f"{name}_count", labels(role))] == len(values)
-    assert got[(f"{name}_sum", labels(role))] == pytest.approx(sum(values))
+    assert got[(f"{name}_bucket", labels(role, le="+Inf"))] == len(values_ns)
+    assert got[(f"{name}_count", labels(role))] == len(values_ns)
+    assert got[(f"{name}_sum", labels(role))] == pytest.approx(sum(values_ns) / 1e9)
 
 
 def test_warmup_and_profile_records_are_not_observed(tmp_path):
     metrics = AFDMetrics(str(tmp_path), "attention", 0, CONNECTOR)
 
     metrics.observe_steps([record("attention", [1000], warmup=True), record("attention", [1000], profile=True)])
+    metrics.flush()
 
     assert samples(tmp_path)[("afd_layer_round_trip_seconds_count", labels())] == 0
 
@@ -99,7 +102,7 @@ def test_warmup_and_profile_records_are_not_observed(tmp_path):
 def test_steps_count_each_new_executed_payload_once(tmp_path):
     connector = FakeConnector()
     metrics = AFDMetrics(str(tmp_path), "ffn", 1, CONNECTOR)
-    metrics._connector = connector  # noqa: SLF001 - watch() without its thread
+    metrics.watch(connector, thread=False)
     served = [ControlPayload({0: (1,)}), ControlPayload({0: (2,)}, is_graph_replaying=True)]
     skipped = [ControlPayload({0: (1,)}, is_warmup=True), ControlPayload({0: (1,)}, is_profile=True),
                ControlPayload({0: (1,)}, is_graph_capturing=True)]
@@ -107,6 +110,7 @@ def test_steps_count_each_new_executed_payload_once(tmp_path):
     for payload in [skipped[0], served[0], served[0], skipped[1], served[1], skipped[2], None]:
         connector.steps.payload = payload
         metrics.observe_steps([])
+    metrics.flush()
 
     assert samples(tmp_path)[("afd_steps_total", labels("ffn", 1))] == 2
 
@@ -126,17 +130,19 @@ def test_exposed_transport_is_the_union_of_round_trips_within_the_layer_loop(sta
                       rows=1, opened_ns=0, closed_ns=0, clock="host", marks=tuple(marks), host_syncs=0)
     intervals = [(s, s + n) for s, n in starts_and_lengths]
 
-    busy, span = exposed_transport_ns(step)
+    busy, span = exposed_transport_ns(round_trip_intervals(step))
 
     assert busy == brute_force_busy(intervals)
     assert span == max(e for _, e in intervals) - min(s for s, _ in intervals)
     assert 0 <= busy <= span
+    assert sorted(e - s for s, e in round_trip_intervals(step)) == sorted(step.round_trips_ns())
 
 
 def test_attention_share_is_round_trips_over_layer_loop(tmp_path):
     metrics = AFDMetrics(str(tmp_path), "attention", 0, CONNECTOR)
 
     metrics.observe_steps([record("attention", [300, 300], gap_ns=400)])  # 600 busy of 1000
+    metrics.flush()
     got = samples(tmp_path)
 
     assert got[("afd_exposed_transport_share", labels())] == pytest.approx(0.6)
@@ -147,12 +153,12 @@ def test_attention_share_is_round_trips_over_layer_loop(tmp_path):
 def test_peer_state_and_rendezvous_follow_the_connector_and_end_down(tmp_path):
     connector = FakeConnector()
     metrics = AFDMetrics(str(tmp_path), "attention", 0, CONNECTOR)
-    metrics._connector = connector  # noqa: SLF001 - polled by hand instead of by the watcher
+    metrics.watch(connector, thread=False)
     state = []
 
     for change in ({}, {"is_initialized": True, "rendezvous_s": 1.5}, {"is_initialized": False, "failure": OSError()}):
         vars(connector).update(change)
-        metrics._guarded(metrics._poll)  # noqa: SLF001
+        metrics.flush()
         got = samples(tmp_path)
         state.append((got[("afd_peer_up", labels())], got[("afd_peer_lost", labels())],
                       got.get(("afd_rendezvous_seconds", labels()))))
@@ -185,11 +191,12 @@ def test_watcher_thread_reports_peer_up_and_close_stops_it(tmp_path, monkeypatch
 
 def test_a_metrics_error_is_logged_once_and_never_raised(tmp_path, caplog):
     metrics = AFDMetrics(str(tmp_path), "attention", 0, CONNECTOR)
-    metrics._connector = SimpleNamespace(steps=None)  # noqa: SLF001 - reading .payload raises
+    metrics.watch(SimpleNamespace(steps=None), thread=False)  # reading .payload raises
 
     with caplog.at_level(logging.ERROR, logger="vllm_afd.metrics"):
         for _ in range(3):
             metrics.observe_steps([record("attention", [1000])])
+            metrics.flush()
 
     assert len([r for r in caplog.records if "metrics" in r.getMessage()]) == 1
     assert samples(tmp_path)[("afd_layer_round_trip_seconds_count", labels())] == 0
@@ -199,6 +206,7 @@ def test_ranks_of_one_role_stay_apart_on_one_page(tmp_path):
     ranks = [AFDMetrics(str(tmp_path), "attention", rank, CONNECTOR) for rank in (0, 1)]
 
     ranks[1].observe_steps([record("attention", [1000, 2000])])
+    ranks[1].flush()
     got = samples(tmp_path)
 
     assert got[("afd_layer_round_trip_seconds_count", labels(rank=0))] == 0
@@ -206,7 +214,9 @@ def test_ranks_of_one_role_stay_apart_on_one_page(tmp_path):
 
 
 def _write_in_child(directory: str) -> None:
-    AFDMetrics(directory, "ffn", 0, CONNECTOR).observe_steps([record("ffn", [5_000_000])])
+    metrics = AFDMetrics(directory, "ffn", 0, CONNECTOR)
+    metrics.observe_steps([record("ffn", [5_000_000])])
+    metrics.close()
 
 
 def test_values_written_by_another_process_reach_this_processes_registry(tmp_path, monkeypatch):

