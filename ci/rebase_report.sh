@@ -67,11 +67,13 @@ Generated $(date -u +%Y-%m-%d) by \`ci/rebase_report.sh\` (\`scripts/apply_patch
 for: ${VERSIONS}, one section per series (VLLM_PIN*) and newer release; the same as data in
 \`$(basename "$JSON")\`.  Statuses: \`clean\` (exact), \`offset N\`, \`needs fuzz N\` (a diagnostic:
 fuzz is never used to build), \`already applied\`, \`already upstream\` (drop the patch),
-\`conflict\`, \`ambiguous\`.  Semantic findings (docs/rebase-report.md, "What the checks catch")
-each come with an action.  Per-section exit: 0 no drift, 3 drift, 1 conflicts.
+\`conflict\`, \`ambiguous\`.  Semantic findings (what each kind catches:
+docs/patch-tooling.md#rebase-report) each come with an action.  Per-section exit: 0 no drift,
+3 drift, 1 conflicts.  How a maintainer acts on it: README, "When vLLM releases".
 HEADER
 
 num=0
+heading=
 for pin_file in VLLM_PIN VLLM_PIN-*; do
   [ -f "$pin_file" ] || continue
   pinned=$(pin_value "$pin_file" version)
@@ -91,7 +93,11 @@ for pin_file in VLLM_PIN VLLM_PIN-*; do
               "expected 0, 1 or 3." >&2
          exit "$rc" ;;
     esac
-    { echo; echo "# The vLLM $pinned series ($pin_file)"; echo; cat "$tmp/$num.md"; } >> "$tmp/report.md"
+    if [ "$heading" != "$pin_file" ]; then
+      printf '\n# The vLLM %s series (%s)\n' "$pinned" "$pin_file" >> "$tmp/report.md"
+      heading=$pin_file
+    fi
+    { echo; cat "$tmp/$num.md"; } >> "$tmp/report.md"
   done
 done
 if [ "$num" = 0 ]; then

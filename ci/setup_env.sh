@@ -11,7 +11,7 @@ cd "$(dirname "$0")/.."
 PIN_FILE=${AFD_PIN:-VLLM_PIN}
 if [ ! -f "$PIN_FILE" ]; then
     echo "ci/setup_env.sh: AFD_PIN=$PIN_FILE: no such pin file; expected VLLM_PIN or one of" \
-         "$(ls -d VLLM_PIN-* 2>/dev/null | tr '\n' ' '). Fix AFD_PIN." >&2
+         "$(ls -d VLLM_PIN-* 2>/dev/null | paste -sd, -). Fix AFD_PIN." >&2
     exit 2
 fi
 pin_value() { sed -n "s/^$1[[:space:]]*=[[:space:]]*//p" "$PIN_FILE" | head -1; }

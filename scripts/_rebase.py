@@ -6,7 +6,10 @@ silently misplace a hunk), is already applied, is "already upstream" (upstream a
 seam with different text: its added def/class names and lines are found in the target), or
 conflicts.  Textual success is not semantic success, so every patched file is also compiled,
 checked with pyflakes for new "undefined name" findings against the unpatched target, and
-every marker fence is checked to sit inside a declared `Anchor:`.
+every marker fence is checked to sit inside a declared `Anchor:`; _semantic.py adds the checks
+that compare the pinned release with the target (ordering around hooks, seam callers, second
+copies of a pin-fixed bug).  Every finding names its patch and an action; `--report X.json`
+writes the report as data (docs/patch-tooling.md#rebase-report).
 
 Never fails on drift: exit 3 = drift (offset, fuzz, upstream, semantic finding), 1 = conflict.
 """
@@ -211,7 +214,7 @@ def run_rebase(args, pin, patches, out) -> int:
     findings = _semantic_checks(patches, result, release)
     findings += _pin_checks(patches, result, pin_read, release)
     if any(p.first("Category") == "pin-fix" for p in patches):
-        files = ((path, result.after.get(path) or read(path) or b"") for path in python_files())
+        files = [(path, result.after.get(path) or read(path) or b"") for path in python_files()]
         done = {o.name for o in result.outcomes if o.status in ("applied", "fuzz")}
         findings += [f for p in patches if p.name in done
                      for f in _semantic.second_copies(p, files, release)]

@@ -7,7 +7,6 @@ before any patch touches them (docs/patch-tooling.md#wheel-repack).  A flavor is
 """
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 from pathlib import Path
 

@@ -128,9 +128,18 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def resolve_pin_and_series(args) -> None:
-    """Fill --pin and --patches: `--vllm 5df63a7` picks VLLM_PIN-0.32.0 and its series."""
+    """Fill --pin and --patches: `--vllm 5df63a7` picks VLLM_PIN-0.32.0 and its series; without
+    --vllm, `--apply-to DIR` / `--installed` / `--verify-wheel WHL` pick the pin of that tree's
+    or wheel's own vLLM version."""
     if args.pin is None:
-        args.pin = str(_series.select_pin(ROOT, args.vllm))
+        ref = args.vllm
+        if ref is None and (args.apply_to or args.installed):
+            import _tree
+            tree = _tree.Tree(Path(args.apply_to)) if args.apply_to else _tree.Tree.installed()
+            ref = tree.version()
+        elif ref is None and args.verify_wheel:
+            ref = wh.WheelName.parse(Path(args.verify_wheel).name).version.split("+")[0]
+        args.pin = str(_series.select_pin(ROOT, ref))
     if args.patches is None:
         args.patches = str(_series.series_dir(Path(args.pin), _series.read_pin(Path(args.pin))))
 

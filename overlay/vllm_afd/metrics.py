@@ -89,19 +89,26 @@ def metrics_dir() -> str | None:
 def expose_worker_metrics(registry: CollectorRegistry = REGISTRY) -> None:
     """Front end: make the worker processes' AFD metrics reach this process's /metrics; idempotent.
 
-    Runs in the config hook of every process that builds a VllmConfig. Only the root process of a
-    `vllm serve` (not started by multiprocessing) acts, and it always replaces an inherited
-    ``VLLM_AFD_METRICS_DIR``: that value belongs to another server or a test process. ``registry``
-    is the one vLLM's /metrics serves without ``PROMETHEUS_MULTIPROC_DIR``: the default one.
+    Runs in the config hook of every process that builds a VllmConfig. It acts in a process not
+    started by multiprocessing (the root of a `vllm serve`), always replacing an inherited
+    ``VLLM_AFD_METRICS_DIR`` (another server's or a test process's), and in one that multiprocessing
+    started without the variable (vLLM's DP supervisor starts its API servers so); a process that
+    inherited it from its server (engine core, workers) keeps it. ``registry`` is the one vLLM's
+    /metrics serves without ``PROMETHEUS_MULTIPROC_DIR``: the default one.
     """
     global _exposed_dir
     if _exposed_dir is not None or os.environ.get(PROMETHEUS_DIR_ENV):
         return  # done, or vLLM's /metrics already collects the multiprocess directory
-    if multiprocessing.parent_process() is not None:
-        return  # a process vLLM started: it inherited the directory of its root
-    _exposed_dir = tempfile.TemporaryDirectory(prefix="vllm-afd-metrics-")
-    os.environ[METRICS_DIR_ENV] = _exposed_dir.name
-    MultiProcessCollector(registry, path=_exposed_dir.name)
+    if os.environ.get(METRICS_DIR_ENV) and multiprocessing.parent_process() is not None:
+        return  # started by its server's processes: it writes to their directory
+    try:
+        exposed = tempfile.TemporaryDirectory(prefix="vllm-afd-metrics-")
+        MultiProcessCollector(registry, path=exposed.name)
+    except (OSError, ValueError) as exc:
+        logger.warning("AFD metrics: cannot make a metrics directory (%s); AFD metrics are off", exc)
+        return
+    _exposed_dir = exposed
+    os.environ[METRICS_DIR_ENV] = exposed.name
 
 
 def make_rank_metrics(role: str, role_rank: int, connector_name: str, connector: Any) -> AFDMetrics | None:

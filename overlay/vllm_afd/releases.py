@@ -41,6 +41,9 @@ class Release:
     has_compile_sp_pass: bool
     # Qwen3MoeSparseMoeBlock's native router (`gate_cls` default): 0.32 builds a GateLinear.
     qwen3_moe_gate_cls: str
+    # NOTE: 0.30 configures the `vllm` logger when `vllm.logger` is imported; 0.32 only when an
+    # entry point calls `configure_logging_from_args` (servers do, before plugins load).
+    configures_logging_at_import: bool
 
     @property
     def short(self) -> str:
@@ -56,6 +59,7 @@ RELEASES: tuple[Release, ...] = (
         required_patches=("worker-add-make-model-runner",) + _COMMON_PATCHES,
         has_compile_sp_pass=True,
         qwen3_moe_gate_cls="vllm.model_executor.layers.linear.ReplicatedLinear",
+        configures_logging_at_import=True,
     ),
     Release(
         version="0.32.0",
@@ -64,6 +68,7 @@ RELEASES: tuple[Release, ...] = (
         required_patches=_COMMON_PATCHES,
         has_compile_sp_pass=False,
         qwen3_moe_gate_cls="vllm.model_executor.layers.fused_moe.router.gate_linear.GateLinear",
+        configures_logging_at_import=False,
     ),
 )
 SUPPORTED_VERSIONS = tuple(release.version for release in RELEASES)

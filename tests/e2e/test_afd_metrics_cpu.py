@@ -72,6 +72,10 @@ def test_afd_metrics_move_on_both_roles_while_serving_and_show_a_lost_peer(tiny_
         wait_for(lambda: scrape(attention_url)[steps] >= before["attention"][steps] + 2 * MAX_TOKENS)
         time.sleep(1.0)  # and the FFN's watcher its last steps
         after = {"attention": scrape(attention_url), "ffn": scrape(ffn_url)}
+        for role, url in (("attention", attention_url), ("ffn", ffn_url)):  # kept for a look
+            page = requests.get(f"{url}/metrics", timeout=30).text
+            (tmp_path / f"metrics-{role}.txt").write_text("".join(
+                line + "\n" for line in page.splitlines() if line.startswith(("afd_", "# HELP afd_"))))
 
         afd.ffn.stop()
         lost = wait_for(lambda: scrape(attention_url).get(("afd_peer_lost", "attention")) == 1.0)

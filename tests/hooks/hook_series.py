@@ -54,6 +54,15 @@ def touched_files() -> list[str]:
     return sorted(paths)
 
 
+# Files the contract tests read besides the series' own: a seam upstream absorbed
+# (Worker._make_model_runner, upstream from 0.32) is held to the same contract.
+CONTRACT_FILES = ("vllm/v1/worker/gpu_worker.py",)
+
+
+def contract_files() -> list[str]:
+    return sorted(set(touched_files()) | set(CONTRACT_FILES))
+
+
 def find_pinned_wheel(pin: dict[str, str]) -> Path | None:
     """The pinned official wheel (CUDA, else CPU) from the wheel cache, sha256-checked."""
     cache = os.environ.get("AFD_VLLM_WHEEL_DIR") or os.path.join(

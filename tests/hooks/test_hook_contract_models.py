@@ -1,7 +1,7 @@
 """Contract tests of the model seams (`qwen3-moe-*`, `deepseek-v2-*`) on the patched pinned source.
 
 Each seam is a class attribute whose default is what the pinned release built inline. The main
-test substitutes the defaults back into the patched class (`self.gate_cls` -> `ReplicatedLinear`,
+test substitutes the defaults back into the patched class (`self.gate_cls` -> `ReplicatedLinear` on 0.30, `GateLinear` on 0.32,
 `self.experts_apply_gate` -> `True`, `self_attn_cls` None -> the config's choice) and checks that
 the class is then the pristine one, node for node: with the defaults the seams change nothing.
 """
@@ -16,12 +16,19 @@ from hook_ast import find_def, parse
 
 pytestmark = pytest.mark.wheel
 
+try:  # the release under test (hook_series.pin_file): its router class
+    from vllm_afd.releases import installed
+
+    QWEN3_GATE = installed().qwen3_moe_gate_cls.rsplit(".", 1)[1]
+except ImportError:
+    QWEN3_GATE = "ReplicatedLinear"
+
 QWEN3 = "vllm/model_executor/models/qwen3_moe.py"
 DEEPSEEK = "vllm/model_executor/models/deepseek_v2.py"
 
 # (file, class, {seam attribute: default as source}): every seam of the model patches.
 SEAMS = [
-    (QWEN3, "Qwen3MoeSparseMoeBlock", {"gate_cls": "ReplicatedLinear", "experts_apply_gate": "True"}),
+    (QWEN3, "Qwen3MoeSparseMoeBlock", {"gate_cls": QWEN3_GATE, "experts_apply_gate": "True"}),
     (QWEN3, "Qwen3MoeDecoderLayer", {"self_attn_cls": "Qwen3MoeAttention",
                                      "moe_block_cls": "Qwen3MoeSparseMoeBlock",
                                      "mlp_cls": "Qwen3MoeMLP", "norm_cls": "RMSNorm"}),

@@ -20,22 +20,32 @@ GPU_WORKER = "vllm/v1/worker/gpu_worker.py"
 CPU_WORKER = "vllm/v1/worker/cpu_worker.py"
 MRV2 = "vllm/v1/worker/gpu/model_runner.py"
 CUDAGRAPH = "vllm/v1/worker/gpu/cudagraph_utils.py"
+try:  # MRV2's local for the DP sync state: renamed in 0.32 (the hook's parameter keeps `dp_sync`)
+    from vllm_afd.releases import installed
+
+    DP_SYNC_LOCAL = {"0.30.0": "dp_sync"}.get(installed().version, "dp_sync_state")
+    # The Worker method that builds the runner: 0.32 moved it out of init_device (which calls it).
+    GPU_BUILDER = {"0.30.0": "init_device"}.get(installed().version, "_init_workspace_and_model_runner")
+except ImportError:
+    DP_SYNC_LOCAL, GPU_BUILDER = "dp_sync", "init_device"
 
 
 @pytest.mark.parametrize(
-    ("relpath", "worker", "runner_classes"),
+    ("relpath", "worker", "builder", "runner_classes"),
     [
-        (GPU_WORKER, "Worker", {"GPUModelRunnerV1", "GPUModelRunnerV2"}),
-        (CPU_WORKER, "CPUWorker", {"CPUModelRunner", "CPUModelRunnerV2"}),
+        (GPU_WORKER, "Worker", GPU_BUILDER, {"GPUModelRunnerV1", "GPUModelRunnerV2"}),
+        (CPU_WORKER, "CPUWorker", "init_device", {"CPUModelRunner", "CPUModelRunnerV2"}),
     ],
 )
 def test_init_device_builds_the_runner_only_through_make_model_runner(
-    pinned_tree: Path, relpath: str, worker: str, runner_classes: set[str]
+    pinned_tree: Path, relpath: str, worker: str, builder: str, runner_classes: set[str]
 ) -> None:
     module = parse(pinned_tree, relpath)
 
     factory = find_def(module, f"{worker}._make_model_runner")
-    init_device = find_def(module, f"{worker}.init_device")
+    init_device = find_def(module, f"{worker}.{builder}")
+    if builder != "init_device":
+        assert len(call_sites(find_def(module, f"{worker}.init_device"), builder)) == 1
 
     assert param_names(factory) == ["self"]
     assert len(call_sites(init_device, "_make_model_runner")) == 1
@@ -62,7 +72,7 @@ def test_gpu_factory_keeps_the_upstream_lazy_imports(pinned_tree: Path) -> None:
 
 
 def test_gpu_factory_runs_after_the_workspace_manager_exists(pinned_tree: Path) -> None:
-    init_device = find_def(parse(pinned_tree, GPU_WORKER), "Worker.init_device")
+    init_device = find_def(parse(pinned_tree, GPU_WORKER), f"Worker.{GPU_BUILDER}")
 
     workspace = call_sites(init_device, "init_workspace_manager")
     factory = call_sites(init_device, "_make_model_runner")
@@ -102,7 +112,7 @@ def test_before_model_forward_precedes_both_forward_branches(pinned_tree: Path) 
     hook = hooks[0]
     assert hook.withs == () and hook.ifs == (), "the hook must run unconditionally, outside any with"
     assert [ast.unparse(a) for a in hook.call.args] == [
-        "batch_desc", "input_batch", "dp_sync", "ubatch_state"
+        "batch_desc", "input_batch", DP_SYNC_LOCAL, "ubatch_state"
     ]
     assert eplb[-1].line < hook.line < record_batch[0].line
     assert hook.line < replay[0].line

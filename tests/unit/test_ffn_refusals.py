@@ -78,3 +78,16 @@ def test_the_ffn_runner_refuses_to_reload_weights_and_says_to_restart_both_roles
 
     assert str(info.value) == (
         "AFDFFNModelRunner: reload_weights() is not supported; restart both AFD roles with the new weights.")
+
+
+@pytest.mark.parametrize("flag", ["is_graph_capturing", "is_warmup"])
+def test_an_eager_ffn_refuses_a_capture_payload_naming_the_fix(ffn_runner, flag):
+    """docs/failures.md row 26: the handshake's graph_mode prevents it; the runner refuses it anyway."""
+    from vllm_afd.wire.errors import AFDProtocolError
+    from vllm_afd.wire.messages import ControlPayload
+
+    with pytest.raises(AFDProtocolError) as info:
+        ffn_runner.run_step(ControlPayload({0: (4,)}, **{flag: True}))
+
+    assert str(info.value) == (
+        "attention is capturing CUDA graphs but this FFN runs eager; launch both roles with the same graph mode")

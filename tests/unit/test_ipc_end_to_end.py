@@ -1,5 +1,5 @@
-"""AFDConnector over IpcTransport on CPU, end to end: rendezvous, handshake, control payloads on the gloo
-ctrl group, data slots and flags on a simulated device that runs behind the hosts (_ipc_sim).
+"""AFDConnector over IpcTransport on CPU, end to end: rendezvous, handshake, control payloads through the
+shared-memory mailbox, data slots and flags on a simulated device that runs behind the hosts (_ipc_sim).
 
 Both roles are threads of this process (the fake driver gives them distinct pids); what only a GPU
 shows is tests/connectors/test_ipc_cuda.py.
@@ -20,8 +20,8 @@ from _harness import NUM_EXPERTS, free_port, make_connector, make_placement, mak
 from _scenarios import crossing_layers, ffn_compute, make_hidden, make_logits  # noqa: E402
 
 from vllm_afd.wire.messages import RoutingSpec  # noqa: E402
-from vllm_afd.wire.placement import CONTROL  # noqa: E402
 from vllm_afd.wire.transports.ipc import IpcTransport, message_row_bytes  # noqa: E402
+from vllm_afd.wire.transports.mailbox import MailboxTransport  # noqa: E402
 
 MAX_ROWS = 8
 ROWS_PER_STEP = (3, 1, MAX_ROWS, 2)
@@ -55,7 +55,7 @@ def ffn_side(connector, driver, gate: bool, errors: list) -> None:
 
 
 @pytest.mark.parametrize("gate", [False, True], ids=["gate-on-ffn", "gate-on-attention"])
-def test_steps_cross_exactly_with_control_on_gloo_and_data_on_the_slots(gate):
+def test_steps_cross_exactly_with_control_in_the_mailbox_and_data_on_the_slots(gate):
     sim, port = ThreadedSimDevice(), free_port()
     ffn, ffn_driver = make("ffn", port, sim, gate, pid=1)
     attention, driver = make("attention", port, sim, gate, pid=2)
@@ -85,5 +85,5 @@ def test_steps_cross_exactly_with_control_on_gloo_and_data_on_the_slots(gate):
 
     assert not errors, errors
     assert results == [True] * len(ROWS_PER_STEP)
-    assert sorted(ffn.transport._control.channels) == [CONTROL]
+    assert isinstance(ffn.transport._control, MailboxTransport)
     assert not driver.live and not ffn_driver.live

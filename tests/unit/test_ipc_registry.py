@@ -16,8 +16,8 @@ from _vllm_configs import make_vllm_config, write_tiny_model  # noqa: E402
 
 from vllm_afd.config import parse_afd_config  # noqa: E402
 from vllm_afd.connect import TRANSPORTS, build_connector, max_exchange_rows  # noqa: E402
-from vllm_afd.wire.placement import A2F, CONTROL, F2A, Placement  # noqa: E402
-from vllm_afd.wire.transports.gloo import GlooTransport  # noqa: E402
+from vllm_afd.wire.placement import A2F, F2A, Placement  # noqa: E402
+from vllm_afd.wire.transports.mailbox import MailboxTransport  # noqa: E402
 from vllm_afd.wire.transports.ipc import IpcTransport  # noqa: E402
 
 IPC = {"connector": "P2pIpcAFDConnector"}
@@ -28,14 +28,14 @@ def model_dir(tmp_path_factory):
     return write_tiny_model(tmp_path_factory.mktemp("tiny_qwen3_moe"))
 
 
-def test_the_registry_sizes_the_ipc_slots_from_the_spec_and_keeps_control_on_gloo():
+def test_the_registry_sizes_the_ipc_slots_from_the_spec_and_puts_control_in_a_mailbox():
     spec = make_spec(1, name="P2pIpcAFDConnector", router_logits_width=8, max_rows=32)
 
     transport = TRANSPORTS["P2pIpcAFDConnector"](torch.device("cuda", 0), spec)  # no CUDA call yet
 
     assert isinstance(transport, IpcTransport) and transport.max_rows == 32
     assert transport.row_bytes == {A2F: (128, 32), F2A: (128,)}  # 64 bf16; 8 logits sized as fp32
-    assert isinstance(transport._control, GlooTransport) and transport._control.channels == (CONTROL,)
+    assert isinstance(transport._control, MailboxTransport)
     assert transport.control_device == torch.device("cpu")
 
 

@@ -257,3 +257,29 @@ def test_without_a_directory_metrics_are_off(monkeypatch):
     monkeypatch.delenv(METRICS_DIR_ENV, raising=False)
 
     assert make_rank_metrics("ffn", 0, CONNECTOR, FakeConnector()) is None
+
+
+def _expose_in_child(queue) -> None:
+    before = os.environ.get(METRICS_DIR_ENV)
+    expose_worker_metrics(CollectorRegistry())
+    queue.put(os.environ.get(METRICS_DIR_ENV) != before)
+
+
+@pytest.mark.parametrize("inherited, acts", [("/tmp/the-servers-dir", False), (None, True)],
+                         ids=["engine-core-keeps-its-servers-dir", "dp-supervisor-child-makes-its-own"])
+def test_a_multiprocessing_child_makes_a_directory_only_without_one(monkeypatch, inherited, acts):
+    monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
+    if inherited is None:
+        monkeypatch.delenv(METRICS_DIR_ENV, raising=False)
+    else:
+        monkeypatch.setenv(METRICS_DIR_ENV, inherited)
+    monkeypatch.setattr(afd_metrics, "_exposed_dir", None)
+    context = multiprocessing.get_context("fork")
+    queue = context.Queue()
+
+    child = context.Process(target=_expose_in_child, args=(queue,))
+    child.start()
+    changed = queue.get(timeout=60)
+    child.join(60)
+
+    assert changed is acts

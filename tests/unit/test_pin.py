@@ -108,3 +108,12 @@ def test_missing_stamp_reads_as_none(tmp_path):
     (tmp_path / "vllm").mkdir()
 
     assert pin.read_stamp(tmp_path / "vllm") is None
+
+
+def test_compile_sequence_parallelism_reads_the_pass_only_where_the_release_has_it():
+    pytest.importorskip("vllm")
+    from types import SimpleNamespace
+
+    config = SimpleNamespace(pass_config=SimpleNamespace(enable_sp=True))
+
+    assert releases.compile_sequence_parallelism(config) is releases.installed().has_compile_sp_pass

@@ -11,8 +11,12 @@ import subprocess
 import sys
 
 CHILD = r"""
-import logging, vllm.logger  # vLLM configures its namespace at import
+import argparse, logging, vllm.logger  # 0.30 configures vLLM's namespace at import
 from vllm_afd.plugin import route_afd_logs_to_vllm
+from vllm_afd.releases import installed
+
+if not installed().configures_logging_at_import:  # 0.32: as its server entry points do
+    vllm.logger.configure_logging_from_args(argparse.Namespace())
 
 route_afd_logs_to_vllm()
 route_afd_logs_to_vllm()  # idempotent: handlers are not added twice

@@ -15,6 +15,12 @@ from vllm_afd.validation import (
 
 vllm = pytest.importorskip("vllm")
 
+from vllm_afd.releases import installed  # noqa: E402
+
+# vLLM 0.32 removed compile-time sequence parallelism (overlay/vllm_afd/releases.py).
+NEEDS_SP_PASS = pytest.mark.skipif(not installed().has_compile_sp_pass,
+                                   reason=f"vLLM {installed().version} has no PassConfig.enable_sp")
+
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
@@ -184,8 +190,8 @@ def _sequence_parallel_moe(parallel):
     (lambda c: setattr(c.parallel_config, "enable_elastic_ep", True), "elastic expert parallelism",
      "--enable-elastic-ep"),
     (lambda c: _sequence_parallel_moe(c.parallel_config), "sequence-parallel MoE", "sequence parallelism for MoE"),
-    (lambda c: setattr(c.compilation_config.pass_config, "enable_sp", True), "compile-time sequence parallelism",
-     "pass_config.enable_sp"),
+    pytest.param(lambda c: setattr(c.compilation_config.pass_config, "enable_sp", True),
+                 "compile-time sequence parallelism", "pass_config.enable_sp", marks=NEEDS_SP_PASS),
     (lambda c: setattr(c, "speculative_config", object()), "speculative decoding", "--speculative-config"),
 ], ids=["eplb", "elastic-ep", "sequence-parallel-moe", "compile-sp", "speculative-decoding"])
 def test_unsupported_features_are_refused_naming_the_flag(cpu_config, change, feature, flag):

@@ -36,8 +36,8 @@ must find ABORT again. The data is garbage from then on; the connector raises it
 its next call, as with gloo. ``close()`` releases the waits as well, lets the device drain, then
 frees everything. Refused with the fix before any resource is taken: a CPU device, a data-subgroup
 member on another host (P2pNcclAFDConnector), in the same process, without stream memory operations
-V2, or on a GPU without peer access. The control channel stays on a gloo group (host side, never
-inside a graph).
+V2, or on a GPU without peer access. The control channel is host data, never inside a graph: a
+shared-memory mailbox per control pair (mailbox.py), which the FFN's loop polls.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ import torch
 from vllm_afd.wire.placement import A2F, CONTROL, F2A, Placement
 from vllm_afd.wire.transport import Transport
 from vllm_afd.wire.transports.cuda_driver import COPY, WAIT, WRITE, CudaDriver, Op
-from vllm_afd.wire.transports.gloo import GlooTransport
+from vllm_afd.wire.transports.mailbox import MailboxTransport
 from vllm_afd.wire.transports.shm import FlagBlock
 
 __all__ = ["ABORT", "EMPTY", "FULL", "IpcTransport", "Slot", "check_members", "message_row_bytes", "plan_slots",
@@ -178,7 +178,7 @@ class IpcTransport(Transport):
                              f"'{A2F}' and '{F2A}'; build them with message_row_bytes()")
         self.row_bytes = {channel: tuple(widths) for channel, widths in row_bytes.items()}
         self.max_rows = max_rows
-        self._control = control if control is not None else GlooTransport(torch.device("cpu"), channels=(CONTROL,))
+        self._control = control if control is not None else MailboxTransport()
         self._hold_period_s = hold_period_s
         self._lock = threading.Lock()  # guards the flag page against a concurrent unmap
         self._stop = threading.Event()

@@ -1,4 +1,5 @@
-"""Flags in POSIX shared memory for the IPC transport (``ipc.py``): one page per data subgroup.
+"""Pages of POSIX shared memory for the IPC transport: its flags (``ipc.py``, one page per data subgroup)
+and its control mailboxes (``mailbox.py``, one page per control pair).
 
 The FFN of a data subgroup creates the page in ``/dev/shm``; every member maps it and registers it for
 its GPU, which then writes and waits on the flags with stream memory operations. The host reads and
@@ -67,6 +68,10 @@ class FlagBlock:
 
     def read(self, index: int) -> int:
         return self._words[index]
+
+    def bytes_view(self) -> memoryview:
+        """The page as bytes (the control mailbox, mailbox.py); release it before ``close()``."""
+        return memoryview(self._map)
 
     def unlink(self) -> None:
         """Remove the file (its mappings stay valid); the owner does it once every member mapped it."""
