@@ -124,6 +124,18 @@ class QueueTransport(Transport):
         self.closed += 1
 
 
+def init_all(connectors: Sequence[AFDConnector], timeout_s: float = 20.0) -> None:
+    """Initialise connectors of one deployment together (each rendezvous waits for the others)."""
+    import threading
+
+    threads = [threading.Thread(target=c.init) for c in connectors]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout_s)
+    assert all(c.is_initialized for c in connectors), [c.failure for c in connectors]
+
+
 def pending(wire: dict) -> dict[tuple[str, int, int], int]:
     """How many sent tensors wait on each (channel, src, dst) of ``wire``."""
     return {key: len(sent) for key, sent in wire.items() if sent}

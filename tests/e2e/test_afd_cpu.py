@@ -15,6 +15,7 @@ import requests
 
 from vllm_afd.plugin import FFN_VETO_MESSAGE
 from afd_harness.afd import AFDDeployment
+from afd_harness.metrics import scrape, scrape_ranks, wait_for
 from afd_harness.server import ServerStartError, chat, complete, complete_batch
 
 pytestmark = pytest.mark.e2e
@@ -155,6 +156,17 @@ def test_two_attention_ranks_share_one_ffn(tiny_model_dir, vllm_python, tmp_path
     with afd:
         batched = complete_batch(afd.attention.base_url, PROMPTS, MAX_TOKENS)
         one_by_one = [complete(afd.attention.base_url, prompt, MAX_TOKENS).token_ids for prompt in PROMPTS]
+        if "--data-parallel-size" in attention_args:
+            # DP 2 runs two API servers, so vLLM's PROMETHEUS_MULTIPROC_DIR mode (docs/metrics.md): both
+            # ranks' AFD metrics on the page, whichever API server answers.
+            round_trips = [("afd_layer_round_trip_seconds_count", "attention", rank) for rank in "01"]
+            moved = wait_for(lambda: all(scrape_ranks(afd.attention.base_url).get(key, 0) > 0 for key in round_trips))
+            pages = [scrape_ranks(afd.attention.base_url) for _ in range(4)]
+            assert moved, pages[-1]
+            for page in pages:
+                for rank in "01":
+                    assert page[("afd_peer_up", "attention", rank)] == 1.0
+                    assert page[("afd_rendezvous_seconds", "attention", rank)] > 0.0
 
     assert [g.token_ids for g in batched] == plain_outputs_qwen
     assert one_by_one == plain_outputs_qwen
@@ -199,6 +211,11 @@ def test_ffn_killed_mid_stream_ends_every_request_with_an_error(tiny_model_dir, 
         for thread in threads:
             thread.start()
         time.sleep(3.0)  # the requests are decoding now
+        # AFD metrics (docs/metrics.md), scraped from both API servers while the engines serve.
+        urls = {"attention": base_url, "ffn": afd.ffn.base_url}
+        first = {role: scrape(url) for role, url in urls.items()}
+        time.sleep(1.5)  # the ranks' watchers write every 0.5 s
+        second = {role: scrape(url) for role, url in urls.items()}
 
         killed_at = time.monotonic()
         afd.ffn.stop()
@@ -212,3 +229,13 @@ def test_ffn_killed_mid_stream_ends_every_request_with_an_error(tiny_model_dir, 
         assert afd.attention.process.poll() is None  # the API server stays up
         log = afd.attention.log_path.read_text()
         assert "AFD peer lost" in log or "AFDPeerLostError" in log
+        assert wait_for(lambda: scrape(base_url).get(("afd_peer_lost", "attention")) == 1.0), scrape(base_url)
+
+    for role, counted in (("attention", "afd_layer_round_trip_seconds_count"), ("ffn", "afd_ffn_compute_seconds_count")):
+        before, after = first[role], second[role]
+        assert {key[1] for key in after if key != "vllm_metrics"} == {role} and after["vllm_metrics"] == 1.0
+        assert after[("afd_steps_total", role)] > before[("afd_steps_total", role)] > 0
+        assert after[(counted, role)] > before[(counted, role)] > 0
+        assert (after[("afd_peer_up", role)], after[("afd_peer_lost", role)]) == (1.0, 0.0)
+        assert after[("afd_rendezvous_seconds", role)] > 0.0
+    assert 0.0 < second["attention"][("afd_exposed_transport_share", "attention")] <= 1.0

@@ -19,6 +19,7 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "connectors"))
 from _harness import (  # noqa: E402
     QueueTransport,
     free_port,
+    init_all,
     make_connector,
     make_placement,
     make_spec,
@@ -109,12 +110,7 @@ def initialised(num_attention, num_ffn, **spec_overrides):
     ranks = [("ffn", k) for k in range(num_ffn)] + [("attention", j) for j in range(num_attention)]
     connectors = [make_connector(make_spec(port, **spec_overrides), make_placement(role, rank, num_attention, num_ffn),
                                  transport=QueueTransport(wire)) for role, rank in ranks]
-    threads = [threading.Thread(target=c.init) for c in connectors]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(20.0)
-    assert all(c.is_initialized for c in connectors)
+    init_all(connectors)
     return wire, connectors
 
 

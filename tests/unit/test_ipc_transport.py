@@ -250,3 +250,15 @@ def test_ops_are_the_documented_protocol(opened):
     assert wait.dst == reset.dst and wait.dst - ffn._flags.address == write.dst - first._flags.address
     assert copy.dst == copy_out.src
     assert sim.drain() and torch.equal(received, sent)
+
+
+def test_ranks_on_one_gpu_are_named_and_mps_is_found_by_its_control_pipe(tmp_path, monkeypatch):
+    from vllm_afd.wire.transports.ipc import mps_running, ranks_sharing_gpu
+
+    records = {0: {"gpu": "GPU-a"}, 1: {"gpu": "GPU-a"}, 2: {"gpu": "GPU-b"}, 3: {"gpu": "GPU-a"}}
+    assert ranks_sharing_gpu(records, 0) == [1, 3] and ranks_sharing_gpu(records, 2) == []
+
+    monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(tmp_path))
+    assert not mps_running()
+    (tmp_path / "control").write_text("")
+    assert mps_running()

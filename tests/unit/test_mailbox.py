@@ -171,7 +171,7 @@ def test_the_connector_publishes_and_adopts_through_the_mailbox():
     from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).parents[1] / "connectors"))
-    from _harness import QueueTransport, free_port, make_connector, make_placement, make_spec, new_wire
+    from _harness import QueueTransport, free_port, init_all, make_connector, make_placement, make_spec, new_wire
 
     class MailboxControl(QueueTransport):
         def __init__(self, wire):
@@ -198,11 +198,7 @@ def test_the_connector_publishes_and_adopts_through_the_mailbox():
     spec = make_spec(port, exchanges_per_stage=1)
     ffn = make_connector(spec, make_placement("ffn", 0, 1, 1), transport=MailboxControl(wire))
     attention = make_connector(spec, make_placement("attention", 0, 1, 1), transport=MailboxControl(wire))
-    threads = [threading.Thread(target=c.init) for c in (ffn, attention)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(20.0)
+    init_all([ffn, attention])
     try:
         adopted = []
         reader = threading.Thread(target=lambda: adopted.extend(ffn.next_step() for _ in range(20)))

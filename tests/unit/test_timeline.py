@@ -15,7 +15,15 @@ from vllm_afd.wire.messages import ControlPayload
 from vllm_afd.wire.timeline import ATTENTION_MARKS, FFN_MARKS, StepRecord, Timeline, step_layout
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "connectors"))
-from _harness import QueueTransport, free_port, make_connector, make_placement, make_spec, new_wire  # noqa: E402
+from _harness import (  # noqa: E402
+    QueueTransport,
+    free_port,
+    init_all,
+    make_connector,
+    make_placement,
+    make_spec,
+    new_wire,
+)
 
 
 class ScriptedClock:
@@ -128,13 +136,7 @@ def test_the_connector_stamps_every_exchange_of_both_roles():
     spec = make_spec(port, exchanges_per_stage=3, timeline_clock="host")
     ffn = make_connector(spec, make_placement("ffn", 0, 1, 1), transport=QueueTransport(wire))
     attention = make_connector(spec, make_placement("attention", 0, 1, 1), transport=QueueTransport(wire))
-    import threading
-
-    threads = [threading.Thread(target=c.init) for c in (ffn, attention)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(20.0)
+    init_all([ffn, attention])
     try:
         for step in range(2):
             attention.publish({0: [2]})

@@ -45,6 +45,7 @@ from __future__ import annotations
 import datetime
 import json
 import logging
+import os
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -59,8 +60,8 @@ from vllm_afd.wire.transports.cuda_driver import COPY, WAIT, WRITE, CudaDriver, 
 from vllm_afd.wire.transports.mailbox import MailboxTransport
 from vllm_afd.wire.transports.shm import FlagBlock
 
-__all__ = ["ABORT", "EMPTY", "FULL", "IpcTransport", "Slot", "check_members", "message_row_bytes", "plan_slots",
-           "recv_ops", "send_ops"]
+__all__ = ["ABORT", "EMPTY", "FULL", "IpcTransport", "Slot", "check_members", "message_row_bytes", "mps_running",
+           "plan_slots", "ranks_sharing_gpu", "recv_ops", "send_ops"]
 
 logger = logging.getLogger(__name__)
 
@@ -154,6 +155,17 @@ def check_members(records: Mapping[int, Mapping[str, Any]], own: int) -> None:
             )
 
 
+def ranks_sharing_gpu(records: Mapping[int, Mapping[str, Any]], own: int) -> list[int]:
+    """The other AFD ranks of the subgroup on this rank's GPU (records by AFD rank, as published at open)."""
+    return sorted(rank for rank, record in records.items() if rank != own and record["gpu"] == records[own]["gpu"])
+
+
+def mps_running() -> bool:
+    """Whether an MPS control daemon is reachable: its ``control`` pipe in CUDA_MPS_PIPE_DIRECTORY (default
+    /tmp/nvidia-mps), which is where this process's CUDA client would connect."""
+    return os.path.exists(os.path.join(os.environ.get("CUDA_MPS_PIPE_DIRECTORY") or "/tmp/nvidia-mps", "control"))
+
+
 class _Route(NamedTuple):
     slot: Slot
     pointer: int  # device address of the slot (own allocation, or the peer's mapped one)
@@ -210,6 +222,13 @@ class IpcTransport(Transport):
         store.set(f"{prefix}/who/{own}", json.dumps(record))
         records = _gather(store, prefix, "who", members, deadline)
         check_members(records, own)
+        sharing = ranks_sharing_gpu(records, own)
+        if sharing and not mps_running():
+            logger.warning(
+                "%s: AFD rank %d shares its GPU with AFD ranks %s without MPS: the GPU time-slices their processes, "
+                "so every exchange waits for a context switch (~0.15 ms each way on an H200) and can stall for a "
+                "whole time slice (~2 ms). Start the roles under MPS (nvidia-cuda-mps-control -d) or give each "
+                "role its own GPU (docs/failures.md#13-one-gpu-two-roles)", NAME, own, sharing)
         # Peer access is checked by the writer; the verdicts are exchanged, so every rank refuses before it allocates.
         verdict = next((f"AFD rank {own} cannot write into AFD rank {rank}'s GPU memory: {issue}"
                         for rank in (members[1:] if placement.role == "ffn" else members[:1])
