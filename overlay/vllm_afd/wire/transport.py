@@ -29,7 +29,9 @@ class Transport(ABC):
          ``close`` releases everything, is idempotent and bounded.
     """
 
-    # Where control tensors (length, body) live: CPU for gloo, the rank's GPU for NCCL.
+    # Where control tensors (length, body) live: the CPU for gloo, NCCL (its gloo control group) and IPC
+    # (its mailbox), so the control plane never waits for a GPU; the connector counts the host syncs a
+    # device-side control channel would cost.
     control_device: torch.device
     # Host synchronisations the transport made since it was built (a blocking device copy, an event
     # wait); the connector's timeline counts them per step. Stream-ordered transports keep 0.
