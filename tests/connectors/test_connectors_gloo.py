@@ -10,7 +10,8 @@ import time
 
 import pytest
 from _harness import expect_ok, free_port
-from _scenarios import exchange, exchange_then_die, garbage_payload, hung_ffn, idle_attention, step_counts
+from _scenarios import (exchange, exchange_then_die, garbage_payload, hung_ffn, idle_attention, reforming_pair,
+                        step_counts)
 
 
 def run_exchange(pool, num_attention, num_ffn, *, dtype="bfloat16", num_steps=3, gate=False, num_stages=1,
@@ -80,6 +81,21 @@ def test_ffn_killed_mid_exchange_is_a_lost_peer_on_the_attention_at_once(pool):
                                       "attention rank 0")
     assert report["elapsed_s"] < 2.0  # within peer_timeout_s: the dead peer closed its connections
     assert report["sticky"] == "AFDPeerLostError"
+
+
+def test_ffn_re_forms_with_a_restarted_attention_that_arrived_while_the_dead_one_held_its_claim(pool, tmp_path):
+    port, marker = free_port(), str(tmp_path / "generation-1-serving")
+
+    ffn, first, second = pool.run(reforming_pair, [("ffn", 0, port, marker), ("attention", 1, port, marker),
+                                                   ("attention", 2, port, marker)], 60.0)
+
+    assert first == ("exit", 5)
+    assert second == ("ok", {"step_seqs": [0, 1]}), second  # exact FFN results, a fresh step sequence
+    status, report = ffn
+    assert status == "ok", report
+    assert report["served"] == [0, 0, 1] and report["reformations"] == 1
+    assert report["lost"][0].startswith("AFD peer lost: a2f receive from attention rank 0 failed on ffn rank 0")
+    assert report["reform_s"] < 10.0
 
 
 def test_hung_ffn_is_a_step_timeout_then_the_stuck_attention_terminates(pool, tmp_path):

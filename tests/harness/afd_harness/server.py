@@ -254,6 +254,20 @@ class VllmServer:
                 "exit. Check for a process stuck in uninterruptible sleep (ps -o stat)."
             ) from exc
 
+    def kill(self) -> int | None:
+        """SIGKILL the whole process group at once (a crash, not a shutdown) and forget the process,
+        so that ``start()`` may run the same server again; return the exit code."""
+        if self.process is None:
+            return None
+        pgid = self.process.pid
+        _signal_group(pgid, signal.SIGKILL)
+        deadline = time.monotonic() + self.stop_wait_s
+        while time.monotonic() < deadline and _group_alive(pgid):
+            self.process.poll()
+            time.sleep(0.05)
+        code, self.process = self.process.wait(timeout=self.stop_wait_s), None
+        return code
+
     def log_tail(self, num_lines: int = LOG_TAIL_LINES) -> str:
         if not self.log_path.is_file():
             return "(no log)"
