@@ -251,6 +251,15 @@ def test_ffn_killed_mid_stream_ends_every_request_with_an_error(tiny_model_dir, 
         log = afd.attention.log_path.read_text()
         assert "AFD peer lost" in log or "AFDPeerLostError" in log
         assert wait_for(lambda: scrape(base_url).get(("afd_peer_lost", "attention")) == 1.0), scrape(base_url)
+        # Requests during the outage: HTTP 503 naming the cause and what happens next, not a generic
+        # engine error (docs/failures.md#requests-during-an-outage).
+        refused = requests.post(f"{base_url}/v1/completions", timeout=30,
+                                json={"model": str(model), "prompt": PROMPTS[0], "max_tokens": 4})
+        assert refused.status_code == 503, refused.text
+        message = refused.json()["error"]["message"]
+        assert message.startswith("AFD attention server unavailable: its engine stopped after an AFD failure "
+                                  "(AFD peer lost:"), message
+        assert "Restart this attention server: the FFN waits for it" in message
 
     for role, counted in (("attention", "afd_layer_round_trip_seconds_count"), ("ffn", "afd_ffn_compute_seconds_count")):
         before, after = first[role], second[role]
