@@ -94,8 +94,6 @@ class QueueTransport(Transport):
     of another size or dtype, fails the test at once instead of hanging.
     """
 
-    control_device = torch.device("cpu")
-
     def __init__(self, wire: defaultdict[tuple[str, int, int], deque]) -> None:
         self.wire = wire
         self.placement: Placement | None = None

@@ -293,10 +293,8 @@ class AFDConnector:
         p = self.placement
         if p.control_rank is not None:
             body = payload.encode()
-            device = self.transport.control_device
-            length = torch.tensor([len(body)], dtype=torch.int64).to(device)
-            data = torch.frombuffer(bytearray(body), dtype=torch.uint8).to(device)
-            self._count_host_syncs(2 if device.type != "cpu" else 0)  # two blocking host-to-device copies
+            length = torch.tensor([len(body)], dtype=torch.int64)
+            data = torch.frombuffer(bytearray(body), dtype=torch.uint8)
             dst = p.role_rank  # control group ranks are AFD ranks: FFN k is k
             self._call("control send to ffn rank", p.role_rank, self.transport.send, CONTROL, length, dst)
             self._call("control send to ffn rank", p.role_rank, self.transport.send, CONTROL, data, dst)
@@ -306,13 +304,11 @@ class AFDConnector:
         """FFN: block for the next step's payload and adopt it (an idle attention is legal: untimed)."""
         self._require_ready("next_step", "ffn")
         p = self.placement
-        device = self.transport.control_device
         src = p.num_ffn_ranks + p.role_rank  # attention rank k's AFD rank
-        length = torch.empty(1, dtype=torch.int64, device=device)
+        length = torch.empty(1, dtype=torch.int64)
         label = "control receive from attention rank"
         self._call(label, p.role_rank, self.transport.recv, CONTROL, length, src, timed=False)
         num_bytes = int(length.item())
-        self._count_host_syncs(2 if device.type != "cpu" else 0)  # item() here, cpu() below
         self._require_ready("next_step")  # an abort may have left garbage behind
         if not 0 < num_bytes <= MAX_CONTROL_BYTES:
             raise AFDProtocolError(
@@ -320,9 +316,9 @@ class AFDConnector:
                 f"not in 1..{MAX_CONTROL_BYTES}; expected the int64 byte length of "
                 "docs/protocol.md#control-payload. Run the same vllm_afd version on both roles"
             )
-        data = torch.empty(num_bytes, dtype=torch.uint8, device=device)
+        data = torch.empty(num_bytes, dtype=torch.uint8)
         self._call(label, p.role_rank, self.transport.recv, CONTROL, data, src, timed=False)
-        payload = ControlPayload.decode(data.cpu().numpy().tobytes())
+        payload = ControlPayload.decode(data.numpy().tobytes())
         self._adopt(payload)
         return payload
 
@@ -457,10 +453,6 @@ class AFDConnector:
         """Stamp the timeline at this exchange (its position: the exchanges finished in this step)."""
         if self.timeline is not None:
             self.timeline.mark(kind, self.steps.num_exchanges)
-
-    def _count_host_syncs(self, count: int) -> None:
-        if self.timeline is not None and count:
-            self.timeline.count_host_sync(count)
 
     def _call(self, label: str, peer: int, method: Callable[..., None], *args: Any, timed: bool = True) -> None:
         """One transport call; a transport error becomes the sticky AFDPeerLostError naming the peer."""

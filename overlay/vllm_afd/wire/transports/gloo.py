@@ -42,8 +42,6 @@ class GlooTransport(Transport):
     torch's default group and never enter its global rank maps, which vLLM owns.
     """
 
-    control_device = torch.device("cpu")
-
     def __init__(self, device: torch.device, channels: tuple[str, ...] | None = None) -> None:
         self.device = device
         # The channels to open (None: all of placement.channels()); the IPC transport keeps only ctrl here.
