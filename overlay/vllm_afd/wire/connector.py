@@ -129,6 +129,9 @@ class AFDConnector:
         self.rendezvous_s: float | None = None
         # Pairings completed by reform() since construction (the first init() is not one).
         self.reformations = 0
+        # FFN rank 0: how long init() retries binding the store's port (0 at start-up: a busy port is an
+        # error at once; REBIND_S in a re-formation, while the previous store closes).
+        self._rebind_s = 0.0
         self._transport_syncs = 0  # transport.host_syncs already counted into the timeline
 
     # ---- lifecycle ------------------------------------------------------------------------------
@@ -160,7 +163,7 @@ class AFDConnector:
         started = time.monotonic()
         rendezvous = Rendezvous(
             RendezvousSpec(p, s.host, s.port, timeout_s, stale_claim_s=s.peer_timeout_s + STALE_CLAIM_MARGIN_S,
-                           rebind_s=REBIND_S if self.reformations else 0.0),
+                           rebind_s=self._rebind_s),
             cancelled=lambda: self._closed,
         )
         try:
@@ -197,6 +200,9 @@ class AFDConnector:
             self.rendezvous_s = time.monotonic() - started
         except BaseException:
             self._latch.close()  # the caller gets this exception: no termination fallback
+            # NOTE: the exception's traceback keeps this frame's rendezvous alive; without its store
+            # reference FFN rank 0's store closes now, so a re-formation can listen on the port again.
+            rendezvous.store = None
             self._release()
             raise
         finally:
@@ -230,8 +236,9 @@ class AFDConnector:
         self._buffers.clear()
         self._transport_syncs = 0
         self.rendezvous_s = None
-        self.reformations += 1
+        self._rebind_s = REBIND_S  # the old store may still be closing
         self.init(timeout_s)
+        self.reformations += 1
 
     def close(self) -> None:
         """Idempotent; safe uninitialised, during and after a partial init; bounded by CLOSE_JOIN_S."""
