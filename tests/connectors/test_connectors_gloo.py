@@ -6,6 +6,7 @@ checked bit for bit by the attention ranks (tests/connectors/_scenarios.py), pay
 
 from __future__ import annotations
 
+import datetime
 import time
 
 import pytest
@@ -121,3 +122,21 @@ def test_idle_attention_goes_down_when_the_store_host_dies(pool, tmp_path):
     assert ffn == ("exit", 3)
     assert attention == ("exit", 18)
     assert report.read_text().startswith("AFDPeerLostError: AFD peer lost: the rendezvous store at 127.0.0.1:")
+
+
+# ---- gloo's own address (docs/connection.md#roles-on-different-hosts) ----
+
+
+def test_gloo_binds_the_address_that_routes_to_the_store_unless_an_interface_is_named(monkeypatch):
+    from types import SimpleNamespace
+
+    from vllm_afd.wire.transports.gloo import _gloo_options
+
+    store = SimpleNamespace(host="127.0.0.1", port=free_port())  # the TCPStore's public host and port
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    routed = _gloo_options(store, datetime.timedelta(seconds=3))
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo,eth0")
+    named = _gloo_options(store, datetime.timedelta(seconds=3))
+
+    assert routed[1] == "127.0.0.1" and len(routed[0]._devices) == 1
+    assert named[1] == "GLOO_SOCKET_IFNAME=lo,eth0" and len(named[0]._devices) == 1

@@ -13,13 +13,13 @@ The uplinks cannot carry AFD traffic between the roles: a namespace has routes o
 two /30s (no default route), so the attention reaches the FFN only at its peer-link address (the
 test also checks that link's byte counters).
 
-Interface hint: both roles run with `GLOO_SOCKET_IFNAME=afd-peer`.  Without it torch's gloo
-binds its pairs to the address the machine's hostname resolves to: 127.0.0.1 here and in many
-containers, 127.0.1.1 on Debian-style hosts; so the FFN tries to connect to the attention at
-its own 127.0.0.1 and channel creation fails with "Gloo connectFullMesh failed ... Connection
-refused, remote=[127.0.0.1]" (docs/connection.md#roles-on-different-hosts).  vLLM needs no hint
-for one rank per role: its own group uses a file:// rendezvous and loopback message queues, hence
-`lo` up in each namespace.
+No interface hint: the roles run without `GLOO_SOCKET_IFNAME`.  torch's gloo alone would bind its
+pairs to the address the machine's hostname resolves to (127.0.0.1 here and in many containers,
+127.0.1.1 on Debian-style hosts) and channel creation would fail with "Gloo connectFullMesh failed
+... Connection refused, remote=[127.0.0.1]"; the gloo transport binds the address that routes to
+`host` instead (docs/connection.md#roles-on-different-hosts), which this test proves.  vLLM needs
+no hint for one rank per role: its own group uses a file:// rendezvous and loopback message
+queues, hence `lo` up in each namespace.
 
 Skips where namespaces cannot be made (not root, no `ip`, no CAP_NET_ADMIN): the reason is the
 error of a real attempt.  Names and the address block are unique per run; the namespaces and
@@ -85,14 +85,13 @@ def deployment(two_hosts, tiny_model_dir, vllm_python, tmp_path_factory):
     log_dir = tmp_path_factory.mktemp("afd-netns")
     # The FFN's address on the peer link: where FFN rank 0 hosts the rendezvous store.
     afd_fields = {"host": two_hosts.ffn.peer_address}
-    hint = {"GLOO_SOCKET_IFNAME": PEER_IFNAME}  # gloo's pairs on the peer link, not on loopback
     servers = {}
     for role, host, cpus in (("ffn", two_hosts.ffn, "0"), ("attention", two_hosts.attention, "1")):
         servers[role] = VllmServer(
             model, python=vllm_python, launcher="cli", host=host.uplink_address, port=HTTP_PORT,
             command_prefix=exec_prefix(host.namespace), log_path=log_dir / f"{role}.log",
             extra_args=afd_args(role, AFD_PORT, **afd_fields), startup_timeout_s=300,
-            env={**cpu_server_env(omp_cpus=cpus), **serve_env(model), **hint},
+            env={**cpu_server_env(omp_cpus=cpus), **serve_env(model)},
         )
     try:
         for server in servers.values():
