@@ -4,7 +4,8 @@
 #   tier 1  gates: monkeypatch AST check; per series: patch lint, zero-fuzz check on both wheels
 #           of its pin, patches up to date; the committed rebase report names the current series
 #   tier 2  fast tests (unit, patch engine, contracts, models in-process) on every release
-#           (the tool tests, tests/patches and tests/ci, are release-free and run once)
+#           (the tool and wire tests, tests/patches, tests/ci, tests/connectors, are release-free
+#           and run once)
 #   tier 3  e2e tests: real vLLM processes on loopback; the full set on VLLM_PIN's release, the
 #           set in $E2E_SECOND_PIN (-k $E2E_SECOND_PIN_K) on the others (AFD == plain tokens, the
 #           FFN's request veto, patched-without-AFD == pristine, on Qwen3-MoE)
@@ -49,9 +50,11 @@ for pin in $PINS; do
     if [ "$pin" = VLLM_PIN ]; then
         "$(venv_of "$pin")/bin/python" -m pytest -m "not e2e" "$@"
     else
-        # tests/patches and tests/ci check our own tools, not vLLM: once is enough.
+        # tests/patches and tests/ci check our own tools, not vLLM, and tests/connectors the wire
+        # (rendezvous, transports, re-forming: torch only, no vLLM import): once is enough.
         AFD_TINY_MODELS_DIR=$(models_of "$pin") \
-            "$(venv_of "$pin")/bin/python" -m pytest -m "not e2e" --ignore tests/patches --ignore tests/ci "$@"
+            "$(venv_of "$pin")/bin/python" -m pytest -m "not e2e" --ignore tests/patches --ignore tests/ci \
+            --ignore tests/connectors "$@"
     fi
 done
 for pin in $PINS; do

@@ -197,6 +197,7 @@ _COERCERS: dict[str, Callable[[str, Any], Any]] = {
     "rendezvous_timeout_s": _coerce_seconds,
     "step_timeout_s": _coerce_seconds,
     "peer_timeout_s": _coerce_seconds,
+    "reform_timeout_s": _coerce_seconds,
     "timeline_dir": _coerce_str,
 }
 
@@ -228,6 +229,9 @@ class AFDConfig:
     step_timeout_s: float = 120.0
     # A peer whose heartbeat is unchanged this long, in seconds, is lost.
     peer_timeout_s: float = 5.0
+    # FFN: after losing its attention peers, wait this long, in seconds, for them to return and pair
+    # again (docs/connection.md#re-forming); 0 = exit on a lost peer instead.
+    reform_timeout_s: float = 600.0
     # Directory each rank appends its per-step timeline to (docs/timeline.md); "" = no timeline files.
     timeline_dir: str = ""
 
@@ -366,6 +370,12 @@ def _check_values(values: Mapping[str, Any], *, async_dp: bool, expected_role: s
         seconds = values[name]
         if not (math.isfinite(seconds) and seconds > 0):
             raise ValueError(f"{name} must be positive and finite, got {seconds!r}; pass seconds > 0")
+    reform = values["reform_timeout_s"]
+    if not (math.isfinite(reform) and reform >= 0):
+        raise ValueError(
+            f"reform_timeout_s must be finite and >= 0, got {reform!r}; pass the seconds an FFN waits for its "
+            "attention to return after a loss, or 0 to exit instead"
+        )
     check_p2p_extra_config(connector, values["connector_extra_config"])
 
 

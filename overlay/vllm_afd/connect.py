@@ -177,4 +177,8 @@ def build_connector(
         max_rows=max_exchange_rows(vllm_config),
         timeline_clock=timeline_clock(afd_config, device.type),
     )
-    return AFDConnector(spec, placement, TRANSPORTS[afd_config.connector](device, spec), fingerprint)
+    factory = TRANSPORTS[afd_config.connector]
+    # NOTE: only the FFN re-forms (the attention's engine cannot outlive a failed step: docs/connection.md).
+    reform = afd_config.role == "ffn" and afd_config.reform_timeout_s > 0
+    return AFDConnector(spec, placement, factory(device, spec), fingerprint,
+                        new_transport=(lambda: factory(device, spec)) if reform else None)

@@ -35,6 +35,7 @@ from prometheus_client.mmap_dict import MmapedDict, mmap_key
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.utils import floatToGoString
 
+from vllm_afd.outage import record_outage
 from vllm_afd.wire.timeline import A2F_SEND_START, F2A_RECV_END, StepRecord
 
 __all__ = [
@@ -73,8 +74,9 @@ HELP = {
     "afd_layer_loop_seconds": "Attention: first layer's send to the last layer's output received.",
     "afd_exposed_transport_share": "Attention: exposed transport over layer-loop time, last steps.",
     "afd_peer_up": "1 while the connector is connected and has no failure, else 0.",
-    "afd_peer_lost": "1 once the connector recorded a failure (lost peer, timeout, transport error).",
-    "afd_rendezvous_seconds": "Rendezvous, handshake and channel set-up of this rank's connector.",
+    "afd_peer_lost": "1 while the connector holds a failure (lost peer, timeout, transport error), until it pairs again.",
+    "afd_rendezvous_seconds": "Rendezvous, handshake and channel set-up of this rank's latest pairing.",
+    "afd_reformations": "Times this rank paired again after losing its peers (FFN, reform_timeout_s).",
 }
 
 _exposed_dir: tempfile.TemporaryDirectory | None = None
@@ -220,7 +222,8 @@ class AFDMetrics:
         self._window: deque[tuple[int, int]] = deque(maxlen=SHARE_WINDOW_STEPS)  # (busy, span) ns
         self._window_busy = self._window_span = 0
         self._peer: tuple[bool, bool] | None = None
-        self._rendezvous_written = False
+        self._rendezvous_written: float | None = None
+        self._reformations_written = 0
         self._last_payload: Any = None
         self._broken = False
         self._lock = threading.Lock()
@@ -232,6 +235,8 @@ class AFDMetrics:
         self.histogram = _Histogram(name, self.labels)
         ident = f"afd-{role}-{role_rank}-{os.getpid()}-{next(_writer_ids)}"
         self._files = _Files(directory, ident)
+        self.directory = directory
+        self._outage_written = False
         with self._lock:
             self._write_steps()
             self._write_histogram(range(len(self.histogram.counts)))
@@ -313,8 +318,16 @@ class AFDMetrics:
         connector = self._connector
         if connector is not None:
             self._set_peer_state(connector.is_initialized, connector.failure is not None)
-            if connector.rendezvous_s is not None and not self._rendezvous_written:
+            if self.role == "attention" and connector.failure is not None and not self._outage_written:
+                # The attention's engine stops on an AFD failure: its API server answers 503 with this.
+                self._outage_written = True
+                record_outage(self.directory, connector.failure)
+            if connector.rendezvous_s is not None and connector.rendezvous_s != self._rendezvous_written:
                 self._set_rendezvous_seconds(connector.rendezvous_s)
+            reformations = connector.reformations
+            if reformations != self._reformations_written:
+                self._reformations_written = reformations
+                self._write_counter("afd_reformations", float(reformations))
         records = []
         while self._pending:
             records.append(self._pending.popleft())
@@ -353,7 +366,7 @@ class AFDMetrics:
         self._write_gauge("afd_peer_lost", float(lost))
 
     def _set_rendezvous_seconds(self, seconds: float) -> None:
-        self._rendezvous_written = True
+        self._rendezvous_written = seconds
         self._write_gauge("afd_rendezvous_seconds", float(seconds))
 
     def _key(self, metric: str, sample: str) -> str:

@@ -8,7 +8,8 @@ registers two things through official seams:
 * a vLLM config hook (patch `config-add-vllm-config-hooks`).  The hook does nothing unless
   `additional_config["afd"]` is present; then it validates the AFD config, picks the
   role's worker class while `worker_cls` is still "auto", applies the role defaults
-  (the FFN's front-end request veto, the attention server's keep-alive on engine death)
+  (the FFN's front-end request veto; the attention server's keep-alive on engine death and
+  its 503 veto while the engine is down after an AFD failure, outage.py)
   and, in the root process, exposes the workers' AFD metrics on /metrics (metrics.py).
 
 Forward-context hooks are never registered here: the attention runner registers its own
@@ -113,6 +114,7 @@ def apply_afd_config(vllm_config: VllmConfig) -> None:
         # NOTE: vLLM keeps the API server up after engine death only with this flag;
         # an attention server must keep answering /health (503) when the FFN is lost.
         os.environ.setdefault("VLLM_KEEP_ALIVE_ON_ENGINE_DEATH", "1")
+        _install_attention_outage_veto()
 
 
 _veto_installed = False
@@ -131,3 +133,39 @@ def _install_ffn_request_veto() -> None:
 
 def _veto_ffn_request(request: object) -> str:
     return FFN_VETO_MESSAGE
+
+
+_outage_veto_installed = False
+
+
+def _install_attention_outage_veto() -> None:
+    """While the attention's engine is down after an AFD failure, answer HTTP 503 naming the cause
+    (outage.py); a server's root process first drops a notice an earlier run left behind."""
+    global _outage_veto_installed
+    if _outage_veto_installed:
+        return
+    import multiprocessing
+
+    from vllm.entrypoints.serve.engine.serving import register_request_veto
+
+    from vllm_afd.metrics import metrics_dir
+    from vllm_afd.outage import clear_outage
+
+    directory = metrics_dir()
+    if directory is not None and multiprocessing.parent_process() is None:
+        clear_outage(directory)
+    register_request_veto(_veto_during_outage)
+    _outage_veto_installed = True
+
+
+def _veto_during_outage(request: object) -> Exception | None:
+    from http import HTTPStatus
+
+    from vllm.exceptions import GracefulHTTPError
+
+    from vllm_afd.metrics import metrics_dir
+    from vllm_afd.outage import read_outage
+
+    directory = metrics_dir()
+    notice = None if directory is None else read_outage(directory)
+    return None if notice is None else GracefulHTTPError(notice, HTTPStatus.SERVICE_UNAVAILABLE)

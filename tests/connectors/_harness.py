@@ -70,14 +70,16 @@ def make_fingerprint(placement: Placement, **overrides: Any) -> Fingerprint:
 
 
 def make_connector(spec: ConnectorSpec, placement: Placement, *, transport: Transport | None = None,
-                   terminate: Callable[[BaseException], None] | None = None,
+                   terminate: Callable[[BaseException], None] | None = None, reformable: bool = False,
                    **fingerprint_overrides: Any) -> AFDConnector:
-    """A connector (gloo unless told) whose fingerprint agrees with ``spec`` unless overridden."""
+    """A connector (gloo unless told) whose fingerprint agrees with ``spec`` unless overridden;
+    ``reformable``: it can ``reform()`` over a fresh gloo transport."""
     facts = dict(dtype=str(spec.dtype).removeprefix("torch."), hidden_size=spec.hidden_size,
                  compute_gate_on_attention=spec.router_logits_width is not None, connector=spec.name)
     facts.update(fingerprint_overrides)
     fingerprint = make_fingerprint(placement, **facts)
-    return AFDConnector(spec, placement, transport or GlooTransport(spec.device), fingerprint, terminate=terminate)
+    return AFDConnector(spec, placement, transport or GlooTransport(spec.device), fingerprint, terminate=terminate,
+                        new_transport=(lambda: GlooTransport(spec.device)) if reformable else None)
 
 
 def new_wire() -> defaultdict[tuple[str, int, int], deque]:
@@ -91,8 +93,6 @@ class QueueTransport(Transport):
     Every send is a clone, so the sender may reuse its tensor; a receive without a matching send, or
     of another size or dtype, fails the test at once instead of hanging.
     """
-
-    control_device = torch.device("cpu")
 
     def __init__(self, wire: defaultdict[tuple[str, int, int], deque]) -> None:
         self.wire = wire

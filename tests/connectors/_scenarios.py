@@ -153,6 +153,48 @@ def exchange_then_die(role: str, rank: int, port: int, peer_timeout_s: float) ->
     return {"error": None}
 
 
+def reforming_pair(role: str, generation: int, port: int, marker: str) -> dict[str, Any]:
+    """1A1F re-forming (docs/connection.md#re-forming): attention generation 1 serves a step and dies
+    mid-step; generation 2 starts while generation 1 still holds its claim and pairs with the same FFN.
+
+    Each attention step is one payload of 3 rows and 4 exact exchanges; the FFN re-forms on the loss.
+    """
+    from vllm_afd.wire.errors import AFDPeerLostError
+
+    spec = make_spec(port, peer_timeout_s=2.0)
+    connector = make_connector(spec, make_placement(role, 0, 1, 1), reformable=role == "ffn")
+    if role == "ffn":
+        connector.init()
+        served, lost = [], []
+        while len(served) < 3:  # generation 1's step 0, then generation 2's steps 0 and 1
+            try:
+                payload = connector.next_step()
+                for layer in range(4):
+                    _ffn_exchange(connector, layer, 0, False)
+                served.append(payload.step_seq)
+            except AFDPeerLostError as exc:
+                lost.append(str(exc))
+                started = time.monotonic()
+                connector.reform(20.0)
+                reform_s = time.monotonic() - started
+        connector.close()
+        return {"served": served, "lost": lost, "reformations": connector.reformations, "reform_s": reform_s}
+    if generation == 2:
+        while not os.path.exists(marker):  # generation 1 is serving: its claim is held
+            time.sleep(0.05)
+    connector.init()
+    for step in range(2):
+        payload = connector.publish({0: [3]})
+        for layer in range(4):
+            if generation == 1 and step == 1:
+                open(marker, "w").close()
+                time.sleep(1.0)  # generation 2 is waiting on the held claim now
+                os._exit(5)  # dies mid-step, before its first send
+            _attention_exchange(connector, 0, step, layer, 0, 3, torch.bfloat16, False, False, [], spec.device)
+    connector.close()
+    return {"step_seqs": [0, payload.step_seq]}
+
+
 def _report_and_exit(path: str, code: int) -> Any:
     """A termination hook for tests: write the cause where the test can read it, then exit."""
     def terminate(cause: BaseException) -> None:

@@ -6,11 +6,13 @@ checked bit for bit by the attention ranks (tests/connectors/_scenarios.py), pay
 
 from __future__ import annotations
 
+import datetime
 import time
 
 import pytest
 from _harness import expect_ok, free_port
-from _scenarios import exchange, exchange_then_die, garbage_payload, hung_ffn, idle_attention, step_counts
+from _scenarios import (exchange, exchange_then_die, garbage_payload, hung_ffn, idle_attention, reforming_pair,
+                        step_counts)
 
 
 def run_exchange(pool, num_attention, num_ffn, *, dtype="bfloat16", num_steps=3, gate=False, num_stages=1,
@@ -82,6 +84,21 @@ def test_ffn_killed_mid_exchange_is_a_lost_peer_on_the_attention_at_once(pool):
     assert report["sticky"] == "AFDPeerLostError"
 
 
+def test_ffn_re_forms_with_a_restarted_attention_that_arrived_while_the_dead_one_held_its_claim(pool, tmp_path):
+    port, marker = free_port(), str(tmp_path / "generation-1-serving")
+
+    ffn, first, second = pool.run(reforming_pair, [("ffn", 0, port, marker), ("attention", 1, port, marker),
+                                                   ("attention", 2, port, marker)], 60.0)
+
+    assert first == ("exit", 5)
+    assert second == ("ok", {"step_seqs": [0, 1]}), second  # exact FFN results, a fresh step sequence
+    status, report = ffn
+    assert status == "ok", report
+    assert report["served"] == [0, 0, 1] and report["reformations"] == 1
+    assert report["lost"][0].startswith("AFD peer lost: a2f receive from attention rank 0 failed on ffn rank 0")
+    assert report["reform_s"] < 10.0
+
+
 def test_hung_ffn_is_a_step_timeout_then_the_stuck_attention_terminates(pool, tmp_path):
     port, report = free_port(), tmp_path / "cause.txt"
     started = time.monotonic()
@@ -105,3 +122,21 @@ def test_idle_attention_goes_down_when_the_store_host_dies(pool, tmp_path):
     assert ffn == ("exit", 3)
     assert attention == ("exit", 18)
     assert report.read_text().startswith("AFDPeerLostError: AFD peer lost: the rendezvous store at 127.0.0.1:")
+
+
+# ---- gloo's own address (docs/connection.md#roles-on-different-hosts) ----
+
+
+def test_gloo_binds_the_address_that_routes_to_the_store_unless_an_interface_is_named(monkeypatch):
+    from types import SimpleNamespace
+
+    from vllm_afd.wire.transports.gloo import _gloo_options
+
+    store = SimpleNamespace(host="127.0.0.1", port=free_port())  # the TCPStore's public host and port
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    routed = _gloo_options(store, datetime.timedelta(seconds=3))
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo,eth0")
+    named = _gloo_options(store, datetime.timedelta(seconds=3))
+
+    assert routed[1] == "127.0.0.1" and len(routed[0]._devices) == 1
+    assert named[1] == "GLOO_SOCKET_IFNAME=lo,eth0" and len(named[0]._devices) == 1

@@ -7,6 +7,7 @@ serves several checks, and the order of roles alternates between the two models.
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 
@@ -167,6 +168,26 @@ def test_two_attention_ranks_share_one_ffn(tiny_model_dir, vllm_python, tmp_path
                 for rank in "01":
                     assert page[("afd_peer_up", "attention", rank)] == 1.0
                     assert page[("afd_rendezvous_seconds", "attention", rank)] > 0.0
+        else:
+            # Re-forming (docs/connection.md#re-forming) with A > F: the attention server (both ranks)
+            # crashes; the same FFN process waits, and a restarted attention pairs with it and serves the
+            # same tokens. No FFN restart.
+            ffn_pid = afd.ffn.process.pid
+            afd.attention.kill()
+            assert wait_for(lambda: scrape(afd.ffn.base_url).get(("afd_peer_up", "ffn")) == 0.0), scrape(afd.ffn.base_url)
+            afd.attention.start()
+            after_restart = [g.token_ids for g in complete_batch(afd.attention.base_url, PROMPTS, MAX_TOKENS)]
+            assert afd.ffn.process.pid == ffn_pid and afd.ffn.process.poll() is None
+            ffn_page = scrape(afd.ffn.base_url)
+            assert (ffn_page[("afd_peer_up", "ffn")], ffn_page[("afd_reformations_total", "ffn")]) == (1.0, 1.0)
+            log = afd.ffn.log_path.read_text()
+            assert "AFD ffn rank 0: lost the attention (AFD peer lost:" in log, afd.ffn.log_tail()
+            paired = re.search(r"AFD ffn rank 0: paired again with attention ranks \[0, 1\] after ([0-9.]+) s", log)
+            assert paired, afd.ffn.log_tail()
+            # The goal of docs/operations.md: serving again within 60 s of the restarted role being up.
+            print(f"re-formation: attention restart to healthy {afd.attention.startup_s:.1f} s, FFN lost to paired "
+                  f"{float(paired.group(1)):.1f} s")
+            assert after_restart == plain_outputs_qwen
 
     assert [g.token_ids for g in batched] == plain_outputs_qwen
     assert one_by_one == plain_outputs_qwen
@@ -230,6 +251,15 @@ def test_ffn_killed_mid_stream_ends_every_request_with_an_error(tiny_model_dir, 
         log = afd.attention.log_path.read_text()
         assert "AFD peer lost" in log or "AFDPeerLostError" in log
         assert wait_for(lambda: scrape(base_url).get(("afd_peer_lost", "attention")) == 1.0), scrape(base_url)
+        # Requests during the outage: HTTP 503 naming the cause and what happens next, not a generic
+        # engine error (docs/failures.md#requests-during-an-outage).
+        refused = requests.post(f"{base_url}/v1/completions", timeout=30,
+                                json={"model": str(model), "prompt": PROMPTS[0], "max_tokens": 4})
+        assert refused.status_code == 503, refused.text
+        message = refused.json()["error"]["message"]
+        assert message.startswith("AFD attention server unavailable: its engine stopped after an AFD failure "
+                                  "(AFD peer lost:"), message
+        assert "Restart this attention server: the FFN waits for it" in message
 
     for role, counted in (("attention", "afd_layer_round_trip_seconds_count"), ("ffn", "afd_ffn_compute_seconds_count")):
         before, after = first[role], second[role]

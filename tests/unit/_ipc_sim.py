@@ -190,8 +190,6 @@ class FakeDriver:
 class NullControl(Transport):
     """The control channel is gloo's business; these tests exercise the data slots only."""
 
-    control_device = torch.device("cpu")
-
     def open(self, store: Any, placement: Placement, timeout_s: float) -> None:
         pass
 

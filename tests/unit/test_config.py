@@ -155,8 +155,19 @@ def test_defaults_match_the_spec_table():
     assert AFDConfig.from_mapping({}).to_mapping() == dict(
         role="attention", connector="P2pNcclAFDConnector", host="127.0.0.1", port=1239, num_attention_ranks=1,
         num_ffn_ranks=1, compute_gate_on_attention=False, connector_extra_config={}, rendezvous_timeout_s=300.0,
-        step_timeout_s=120.0, peer_timeout_s=5.0, timeline_dir="",
+        step_timeout_s=120.0, peer_timeout_s=5.0, reform_timeout_s=600.0, timeline_dir="",
     )
+
+
+@pytest.mark.parametrize("value", [0, 0.5, "30"])
+def test_reform_timeout_takes_zero_to_disable_and_any_finite_seconds(value):
+    assert AFDConfig.from_mapping({"reform_timeout_s": value}).reform_timeout_s == float(value)
+
+
+@pytest.mark.parametrize("value", [-1, float("inf"), float("nan")])
+def test_reform_timeout_refuses_negative_and_infinite_naming_the_key_and_the_fix(value):
+    with pytest.raises(ValueError, match=r"reform_timeout_s must be finite and >= 0.*or 0 to exit instead"):
+        AFDConfig.from_mapping({"reform_timeout_s": value})
 
 
 @pytest.mark.parametrize(("alias", "canonical"), list(ALIASES.items()))
@@ -332,6 +343,7 @@ def afd_mappings(draw):
         "rendezvous_timeout_s": draw(_seconds),
         "step_timeout_s": draw(_seconds),
         "peer_timeout_s": draw(_seconds),
+        "reform_timeout_s": draw(st.just(0.0) | _seconds),
         "timeline_dir": draw(st.sampled_from(["", "/tmp/afd-timeline", "rel/dir"])),
     }
 
@@ -375,7 +387,7 @@ def test_compute_hash_covers_graph_fields_only(first, second):
     ("role", "ffn", True), ("connector", "P2pGlooAFDConnector", True), ("num_attention_ranks", 3, True),
     ("num_ffn_ranks", 2, True), ("compute_gate_on_attention", True, True), ("host", "10.1.1.1", False),
     ("port", 7000, False), ("rendezvous_timeout_s", 9, False), ("step_timeout_s", 9, False),
-    ("peer_timeout_s", 9, False), ("timeline_dir", "/tmp/t", False),
+    ("peer_timeout_s", 9, False), ("reform_timeout_s", 9, False), ("timeline_dir", "/tmp/t", False),
 ])
 def test_each_field_moves_the_hash_iff_it_affects_graphs(name, value, changes_graph):
     base = {"num_attention_ranks": 4, "num_ffn_ranks": 1}

@@ -51,7 +51,7 @@ def test_each_name_builds_its_transport_without_communicating():
     gloo = TRANSPORTS["P2pGlooAFDConnector"](torch.device("cpu"))
 
     assert isinstance(gloo, GlooTransport)
-    assert (gloo.device, gloo.control_device) == (torch.device("cpu"), torch.device("cpu"))
+    assert gloo.device == torch.device("cpu")
     with pytest.raises(ValueError, match="P2pNcclAFDConnector: device cpu is not a CUDA device; NCCL moves GPU "
                                          "memory. Use P2pGlooAFDConnector on CPU"):
         TRANSPORTS["P2pNcclAFDConnector"](torch.device("cpu"))
@@ -165,6 +165,21 @@ def test_build_connector_makes_the_gloo_connector_without_communicating(model_di
         assert probe.connect_ex(("127.0.0.1", port)) != 0  # nothing listens: no store was created
     connector.close()
     connector.close()
+
+
+@pytest.mark.parametrize(("role", "reform_timeout_s", "can_reform"), [
+    ("ffn", 600, True), ("ffn", 0, False), ("attention", 600, False),  # the attention never re-forms
+])
+def test_only_an_ffn_with_a_reform_timeout_gets_a_connector_that_can_re_form(model_dir, role, reform_timeout_s,
+                                                                             can_reform):
+    vllm_config = make_vllm_config(model_dir, role=role, reform_timeout_s=reform_timeout_s, **GLOO)
+
+    connector = build_connector(vllm_config, parse_afd_config(vllm_config), Placement(role, 0, 1, 1),
+                                torch.device("cpu"))
+
+    assert connector.can_reform is can_reform
+    connector.close()
+    assert connector.can_reform is False  # a closed connector never re-forms
 
 
 # ---- the parse a role config carries ----------------------------------------------------------------

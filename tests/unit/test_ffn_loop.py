@@ -15,6 +15,7 @@ pytest.importorskip("vllm")
 
 from vllm_afd.ffn.loop import THREAD_NAME, FFNLoop  # noqa: E402
 from vllm_afd.ffn.worker import FFNWorkerMixin  # noqa: E402
+from vllm_afd.wire.errors import AFDPeerLostError, AFDRendezvousTimeout, AFDStepTimeoutError  # noqa: E402
 
 
 class RecordingRunner:
@@ -25,6 +26,7 @@ class RecordingRunner:
         self.calls: list[str] = []
         self.steps: list[object] = []
         self.fail_on = fail_on
+        self.reform_error: BaseException | None = None
         self.shut_down = threading.Event()
 
     def init_connector(self) -> None:
@@ -34,9 +36,16 @@ class RecordingRunner:
         return self.payloads.get(timeout=10)
 
     def run_step(self, payload: object) -> None:
+        if isinstance(payload, BaseException):
+            raise payload
         if payload == self.fail_on:
             raise ValueError(f"step {payload} broke")
         self.steps.append(payload)
+
+    def reform(self, cause: BaseException) -> None:
+        self.calls.append(f"reform after {type(cause).__name__}")
+        if self.reform_error is not None:
+            raise self.reform_error
 
     def close_connector(self) -> None:
         self.calls.append("close_connector")
@@ -81,6 +90,44 @@ def test_a_step_error_is_stored_and_reraised_chained_by_stop():
     with pytest.raises(RuntimeError, match="AFD FFN worker loop failed"):
         loop.stop()
     assert runner.steps == ["ok"]
+
+
+def wait_until(condition) -> None:
+    for _ in range(200):
+        if condition():
+            return
+        threading.Event().wait(0.05)
+
+
+@pytest.mark.parametrize("lost", [AFDPeerLostError("AFD peer lost: x"), AFDStepTimeoutError("AFD step 3 ...")])
+def test_a_lost_attention_is_handed_to_reform_and_the_loop_goes_on(lost):
+    runner = RecordingRunner()
+    loop = FFNLoop(runner, terminate_on_error=False)
+    for payload in ("p0", lost, "p1"):
+        runner.payloads.put(payload)
+
+    loop.start()
+    wait_until(lambda: runner.steps == ["p0", "p1"])
+    loop.stop()
+
+    assert runner.steps == ["p0", "p1"] and loop.error is None
+    assert runner.calls[:2] == ["init_connector", f"reform after {type(lost).__name__}"]
+    assert (loop.num_steps, loop.num_reformations) == (2, 1)
+
+
+def test_a_failed_re_formation_is_a_loop_error():
+    runner = RecordingRunner()
+    runner.reform_error = AFDRendezvousTimeout("AFD ffn rank 0: the attention did not return within "
+                                               "reform_timeout_s=1 ...")
+    loop = FFNLoop(runner, terminate_on_error=False)
+    runner.payloads.put(AFDPeerLostError("AFD peer lost: x"))
+
+    loop.start()
+    wait_until(lambda: loop.error is not None)
+
+    with pytest.raises(RuntimeError, match="AFD FFN worker loop failed") as info:
+        loop.stop()
+    assert isinstance(info.value.__cause__, AFDRendezvousTimeout)
 
 
 def test_stop_is_safe_before_start_and_twice():

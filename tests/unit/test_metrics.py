@@ -57,13 +57,15 @@ def labels(role: str = "attention", rank: int = 0, **extra: str) -> frozenset:
 
 
 class FakeConnector:
-    """The connector surface the metrics read: steps.payload, is_initialized, failure, rendezvous_s."""
+    """The connector surface the metrics read: steps.payload, is_initialized, failure, rendezvous_s,
+    reformations."""
 
     def __init__(self) -> None:
         self.steps = SimpleNamespace(payload=None)
         self.is_initialized = False
         self.failure: BaseException | None = None
         self.rendezvous_s: float | None = None
+        self.reformations = 0
 
 
 spans = st.lists(st.integers(0, 2_000_000_000), min_size=1, max_size=8)
@@ -152,20 +154,24 @@ def test_attention_share_is_round_trips_over_layer_loop(tmp_path):
 
 def test_peer_state_and_rendezvous_follow_the_connector_and_end_down(tmp_path):
     connector = FakeConnector()
-    metrics = AFDMetrics(str(tmp_path), "attention", 0, CONNECTOR)
+    metrics = AFDMetrics(str(tmp_path), "ffn", 0, CONNECTOR)
     metrics.watch(connector, thread=False)
     state = []
 
-    for change in ({}, {"is_initialized": True, "rendezvous_s": 1.5}, {"is_initialized": False, "failure": OSError()}):
+    for change in ({}, {"is_initialized": True, "rendezvous_s": 1.5}, {"is_initialized": False, "failure": OSError()},
+                   {"is_initialized": True, "failure": None, "rendezvous_s": 7.0, "reformations": 1}):
         vars(connector).update(change)
         metrics.flush()
         got = samples(tmp_path)
-        state.append((got[("afd_peer_up", labels())], got[("afd_peer_lost", labels())],
-                      got.get(("afd_rendezvous_seconds", labels()))))
+        state.append((got[("afd_peer_up", labels("ffn"))], got[("afd_peer_lost", labels("ffn"))],
+                      got.get(("afd_rendezvous_seconds", labels("ffn"))),
+                      got.get(("afd_reformations_total", labels("ffn")))))
+    connector.is_initialized = False  # the runner closes its connector before its metrics
     metrics.close()
 
-    assert state == [(0, 0, None), (1, 0, 1.5), (0, 1, 1.5)]
-    assert samples(tmp_path)[("afd_peer_up", labels())] == 0
+    # A re-formation (docs/connection.md#re-forming) brings the peer back up with a new rendezvous time.
+    assert state == [(0, 0, None, None), (1, 0, 1.5, None), (0, 1, 1.5, None), (1, 0, 7.0, 1)]
+    assert samples(tmp_path)[("afd_peer_up", labels("ffn"))] == 0
 
 
 def test_watcher_thread_reports_peer_up_and_close_stops_it(tmp_path, monkeypatch):

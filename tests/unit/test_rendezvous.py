@@ -143,6 +143,51 @@ def test_two_claimants_of_one_role_rank_both_fail_naming_it():
     assert isinstance(results[0], AFDRendezvousTimeout)
 
 
+def test_a_claim_held_by_a_dead_process_is_retaken_once_ffn_rank_0_re_hosts_the_store():
+    # The restarted attention reaches the old store before the FFN noticed its predecessor's death
+    # (docs/connection.md#re-forming): it waits, sees the store go away, and claims on the new one.
+    port = free_port()
+    host = Rendezvous(spec("ffn", 0, 1, 1, port))
+    host.connect()
+    Rendezvous(spec("attention", 0, 1, 1, port)).connect().add(rank_key("claim", "attention", 0), 1)  # the dead one
+    restarted = Rendezvous(RendezvousSpec(place("attention", 0, 1, 1), "127.0.0.1", port, 10.0, stale_claim_s=5.0))
+    restarted.connect()
+
+    def re_host():
+        time.sleep(0.5)
+        host.store = None  # the FFN's re-formation drops the old store ...
+        time.sleep(0.2)
+        again = Rendezvous(RendezvousSpec(place("ffn", 0, 1, 1), "127.0.0.1", port, 10.0, rebind_s=5.0))
+        again.connect()  # ... and listens again on the same port
+        keep.append(again)
+
+    keep: list = []
+    thread = threading.Thread(target=re_host)
+    thread.start()
+    started = time.monotonic()
+    first = restarted.claim()
+    thread.join(10.0)
+    restarted.connect()
+    second = restarted.claim()
+
+    assert (first, second) == (False, True)
+    assert time.monotonic() - started < 5.0
+
+
+def test_a_live_duplicate_is_still_refused_after_the_stale_claim_grace():
+    port = free_port()
+    host = Rendezvous(spec("ffn", 0, 1, 1, port))
+    host.connect()
+    first = Rendezvous(spec("attention", 0, 1, 1, port))
+    first.connect()
+    assert first.claim() is True
+    second = Rendezvous(RendezvousSpec(place("attention", 0, 1, 1), "127.0.0.1", port, 10.0, stale_claim_s=0.3))
+    second.connect()
+
+    with pytest.raises(ValueError, match=r"joined twice"):
+        second.claim()
+
+
 def test_fingerprint_mismatch_fails_every_rank_naming_both_values():
     port = free_port()
 

@@ -1,10 +1,12 @@
 """The FFN loop: one iteration per attention step, on a daemon thread of the FFN worker.
 
-Its only unbounded wait is
-the next control payload (an idle attention is legal); the connector's watchdog turns a
-lost peer into an error there.  Any loop error is stored, logged, and takes the worker
-process down after a short grace, so the FFN engine dies within seconds instead of
-serving a dead loop; `stop()` re-raises a stored error chained to the cause.
+Its only unbounded wait is the next control payload (an idle attention is legal); the
+connector's watchdog turns a lost peer into an error there.  A lost peer or a timed-out step
+goes to the runner's ``reform``: pair again with a returning attention, bounded by
+``reform_timeout_s`` (docs/connection.md#re-forming).  Any other loop error, or a failed
+re-formation, is stored, logged, and takes the worker process down after a short grace, so
+the FFN engine dies within seconds instead of serving a dead loop; `stop()` re-raises a
+stored error chained to the cause.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import threading
 from typing import Any
 
 from vllm.logger import init_logger
+
+from vllm_afd.wire.errors import AFDPeerLostError, AFDStepTimeoutError
 
 logger = init_logger(__name__)
 
@@ -34,6 +38,7 @@ class FFNLoop:
         self.stop_event = threading.Event()
         self.error: BaseException | None = None
         self.num_steps = 0
+        self.num_reformations = 0
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
@@ -46,10 +51,17 @@ class FFNLoop:
         try:
             self.runner.init_connector()
             while not self.stop_event.is_set():
-                payload = self.runner.next_step()
-                if payload is None:  # connector closed by stop()
-                    break
-                self.runner.run_step(payload)
+                try:
+                    payload = self.runner.next_step()
+                    if payload is None:  # connector closed by stop()
+                        break
+                    self.runner.run_step(payload)
+                except (AFDPeerLostError, AFDStepTimeoutError) as exc:
+                    if self.stop_event.is_set():
+                        raise
+                    self.runner.reform(exc)  # raises when the attention does not return in time
+                    self.num_reformations += 1
+                    continue
                 self.num_steps += 1
         except BaseException as exc:  # noqa: BLE001 - stored and re-raised by stop()
             if self.stop_event.is_set():

@@ -11,6 +11,7 @@ the layer's native MLP/MoE block and sends the result back.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -23,7 +24,7 @@ from vllm_afd.connect import build_connector
 from vllm_afd.ffn.graphs import FFNGraphCache, graph_key, run_mode
 from vllm_afd.telemetry import Telemetry
 from vllm_afd.validation import graph_mode
-from vllm_afd.wire.errors import AFDProtocolError
+from vllm_afd.wire.errors import AFDConfigMismatchError, AFDLayoutError, AFDProtocolError, AFDRendezvousTimeout
 from vllm_afd.wire.messages import ControlPayload
 from vllm_afd.wire.placement import Placement
 
@@ -46,6 +47,7 @@ class AFDFFNModelRunner:
         self.kv_caches: list[torch.Tensor] = []  # read by CPUWorker; the FFN has none
         self.graphs = FFNGraphCache(device) if self.use_cuda_graph else None
         self._missing_graphs: set[tuple] = set()  # keys already warned about
+        self.reform_timeout_s = afd_config.reform_timeout_s
         self.connector = build_connector(vllm_config, afd_config, placement, device)
         self.telemetry = Telemetry(afd_config, placement, self.connector)
 
@@ -115,6 +117,43 @@ class AFDFFNModelRunner:
     def init_connector(self) -> None:
         """Rendezvous with the attention ranks (blocks up to rendezvous_timeout_s)."""
         self.connector.init()
+
+    def reform(self, cause: BaseException) -> None:
+        """Pair again after losing the attention (docs/connection.md#re-forming), or raise.
+
+        Waits up to ``reform_timeout_s`` for the attention ranks to return; a returning attention whose
+        handshake disagrees is refused (its start-up fails, naming the fields) and the wait goes on.
+        The graphs recorded the old pairing's buffers: they are dropped and captured again.
+        """
+        if not self.connector.can_reform:
+            raise cause
+        label = self.connector.placement.label
+        started = time.monotonic()
+        deadline = started + self.reform_timeout_s
+        logger.warning("AFD %s: lost the attention (%s); waiting up to %g s for it to return and pair again "
+                       "(reform_timeout_s)", label, cause, self.reform_timeout_s)
+        if self.graphs is not None:
+            self.graphs.clear()
+        self._missing_graphs.clear()
+        while True:
+            try:
+                self.connector.reform(max(deadline - time.monotonic(), 0.1))
+                break
+            except (AFDConfigMismatchError, AFDLayoutError) as exc:
+                logger.error("AFD %s: refused a returning attention: %s; still waiting", label, exc)
+            except AFDRendezvousTimeout as exc:
+                raise AFDRendezvousTimeout(
+                    f"AFD {label}: the attention did not return within reform_timeout_s="
+                    f"{self.reform_timeout_s:g} after {cause}; this FFN exits. Restart the attention "
+                    "within reform_timeout_s, or raise it") from exc
+            if time.monotonic() >= deadline:
+                raise AFDRendezvousTimeout(
+                    f"AFD {label}: no attention with an agreeing handshake returned within reform_timeout_s="
+                    f"{self.reform_timeout_s:g}; this FFN exits. Start the attention with the FFN's model "
+                    "and AFD settings")
+        logger.info("AFD %s: paired again with attention ranks %s after %.1f s (re-formation %d)", label,
+                    list(self.connector.placement.attention_peers), time.monotonic() - started,
+                    self.connector.reformations)
 
     def next_step(self) -> ControlPayload | None:
         """The next step's payload, adopted by the connector; None once shutdown closed it.

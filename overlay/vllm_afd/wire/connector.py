@@ -55,6 +55,11 @@ CLOSE_JOIN_S = 5.0
 # Stages a step may have for the timeline's slots (micro-batching supports up to 3).
 MAX_TIMELINE_STAGES = 4
 WATCHDOG_JOIN_S = 1.0
+# A claim held by another process is waited on this long beyond peer_timeout_s before it counts as a
+# duplicate: long enough for FFN rank 0 to notice a dead holder and re-host the store (reform()).
+STALE_CLAIM_MARGIN_S = 3.0
+# A re-forming FFN rank 0 retries binding the store's port this long (the old store is still closing).
+REBIND_S = 10.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +102,7 @@ class AFDConnector:
         fingerprint: Fingerprint,
         *,
         terminate: Callable[[BaseException], None] | None = terminate_process,
+        new_transport: Callable[[], Transport] | None = None,
     ) -> None:
         self.spec = spec
         self.placement = placement
@@ -104,6 +110,9 @@ class AFDConnector:
         self.fingerprint = fingerprint
         self.steps = StepState(placement, spec.exchanges_per_stage, spec.name)
         self.fingerprints: dict[tuple[str, int], Fingerprint] = {}
+        self._terminate = terminate
+        # Builds the fresh transport of a re-formation (reform()); None: this connector cannot re-form.
+        self._new_transport = new_transport
         self._latch = FailureLatch(transport.abort, terminate)
         self._lock = threading.Lock()
         self._initialized = False
@@ -118,6 +127,11 @@ class AFDConnector:
         self.timeline: Timeline | None = None
         # Seconds init() took from its start to ready channels (rendezvous, handshake, channels).
         self.rendezvous_s: float | None = None
+        # Pairings completed by reform() since construction (the first init() is not one).
+        self.reformations = 0
+        # FFN rank 0: how long init() retries binding the store's port (0 at start-up: a busy port is an
+        # error at once; REBIND_S in a re-formation, while the previous store closes).
+        self._rebind_s = 0.0
         self._transport_syncs = 0  # transport.host_syncs already counted into the timeline
 
     # ---- lifecycle ------------------------------------------------------------------------------
@@ -126,13 +140,15 @@ class AFDConnector:
     def is_initialized(self) -> bool:
         return self._initialized and not self._closed and self._latch.failure is None
 
-    def init(self) -> None:
+    def init(self, timeout_s: float | None = None) -> None:
         """Rendezvous, handshake, watchdog, channels; idempotent. A failure releases what was taken.
 
-        ``close()`` from another thread cancels a running init (the rendezvous polls for it) and never
-        waits for it: the lock only guards the state flags.
+        Bounded by ``timeout_s`` (default ``rendezvous_timeout_s``). ``close()`` from another thread
+        cancels a running init (the rendezvous polls for it) and never waits for it: the lock only
+        guards the state flags.
         """
         s, p = self.spec, self.placement
+        timeout_s = s.rendezvous_timeout_s if timeout_s is None else timeout_s
         with self._lock:
             if self._initialized:
                 return
@@ -146,15 +162,23 @@ class AFDConnector:
             self._initializing = True
         started = time.monotonic()
         rendezvous = Rendezvous(
-            RendezvousSpec(p, s.host, s.port, s.rendezvous_timeout_s), cancelled=lambda: self._closed
+            RendezvousSpec(p, s.host, s.port, timeout_s, stale_claim_s=s.peer_timeout_s + STALE_CLAIM_MARGIN_S,
+                           rebind_s=self._rebind_s),
+            cancelled=lambda: self._closed,
         )
         try:
-            self._store = rendezvous.connect()
-            # NOTE: the watchdog's own connection is opened before the fingerprints are published: a new
-            # TCPStore connection can stall for seconds, and a stall here delays every rank alike
-            # instead of making this rank look silent to peers that already heartbeat.
-            watchdog_store = rendezvous.connect_client()
-            rendezvous.claim()
+            while True:
+                self._store = rendezvous.connect()
+                # NOTE: the watchdog's own connection is opened before the fingerprints are published: a
+                # new TCPStore connection can stall for seconds, and a stall here delays every rank alike
+                # instead of making this rank look silent to peers that already heartbeat.
+                watchdog_store = rendezvous.connect_client()
+                if rendezvous.claim():
+                    break
+                # Our claim was held by a dead process whose FFN rank 0 has now restarted the store.
+                self._store = watchdog_store = None
+            if self._startup_flagged:  # a re-formation: steps were timed before it, keep timing them
+                self._store.add(STARTUP_DONE_KEY, 1)
             self.fingerprints = rendezvous.exchange_fingerprints(self.fingerprint)
             self._watchdog = Watchdog(
                 watchdog_store, WatchdogSpec(p, s.peer_timeout_s, s.step_timeout_s, f"{s.host}:{s.port}"),
@@ -176,10 +200,45 @@ class AFDConnector:
             self.rendezvous_s = time.monotonic() - started
         except BaseException:
             self._latch.close()  # the caller gets this exception: no termination fallback
+            # NOTE: the exception's traceback keeps this frame's rendezvous alive; without its store
+            # reference FFN rank 0's store closes now, so a re-formation can listen on the port again.
+            rendezvous.store = None
             self._release()
             raise
         finally:
             self._initializing = False
+
+    @property
+    def can_reform(self) -> bool:
+        return self._new_transport is not None and not self._closed
+
+    def reform(self, timeout_s: float) -> None:
+        """Pair again after a failure (docs/connection.md#re-forming): release the channels, the store
+        and the watchdog, then rendezvous with a fresh transport, bounded by ``timeout_s``.
+
+        Every rank re-forms, or none: FFN rank 0 re-hosts the store, so the ranks that did not lose a
+        peer lose the store and re-form too. Step state, receive buffers and the timeline start anew;
+        the failure is forgotten once the new pairing is ready. Raises what ``init()`` raises.
+        """
+        s = self.spec
+        with self._lock:
+            if self._closed or self._new_transport is None:
+                why = "closed" if self._closed else "built without a transport factory"
+                raise RuntimeError(f"{s.name}: reform() on a connector that is {why}; build it with "
+                                   "vllm_afd.connect.build_connector")
+            self._initialized = False
+        self._latch.close()  # the old failure is handled here: no termination fallback
+        self._release()
+        self.transport = self._new_transport()
+        self._latch = FailureLatch(self.transport.abort, self._terminate)
+        self.steps = StepState(self.placement, s.exchanges_per_stage, s.name)
+        self.fingerprints = {}
+        self._buffers.clear()
+        self._transport_syncs = 0
+        self.rendezvous_s = None
+        self._rebind_s = REBIND_S  # the old store may still be closing
+        self.init(timeout_s)
+        self.reformations += 1
 
     def close(self) -> None:
         """Idempotent; safe uninitialised, during and after a partial init; bounded by CLOSE_JOIN_S."""
@@ -241,10 +300,8 @@ class AFDConnector:
         p = self.placement
         if p.control_rank is not None:
             body = payload.encode()
-            device = self.transport.control_device
-            length = torch.tensor([len(body)], dtype=torch.int64).to(device)
-            data = torch.frombuffer(bytearray(body), dtype=torch.uint8).to(device)
-            self._count_host_syncs(2 if device.type != "cpu" else 0)  # two blocking host-to-device copies
+            length = torch.tensor([len(body)], dtype=torch.int64)
+            data = torch.frombuffer(bytearray(body), dtype=torch.uint8)
             dst = p.role_rank  # control group ranks are AFD ranks: FFN k is k
             self._call("control send to ffn rank", p.role_rank, self.transport.send, CONTROL, length, dst)
             self._call("control send to ffn rank", p.role_rank, self.transport.send, CONTROL, data, dst)
@@ -254,13 +311,11 @@ class AFDConnector:
         """FFN: block for the next step's payload and adopt it (an idle attention is legal: untimed)."""
         self._require_ready("next_step", "ffn")
         p = self.placement
-        device = self.transport.control_device
         src = p.num_ffn_ranks + p.role_rank  # attention rank k's AFD rank
-        length = torch.empty(1, dtype=torch.int64, device=device)
+        length = torch.empty(1, dtype=torch.int64)
         label = "control receive from attention rank"
         self._call(label, p.role_rank, self.transport.recv, CONTROL, length, src, timed=False)
         num_bytes = int(length.item())
-        self._count_host_syncs(2 if device.type != "cpu" else 0)  # item() here, cpu() below
         self._require_ready("next_step")  # an abort may have left garbage behind
         if not 0 < num_bytes <= MAX_CONTROL_BYTES:
             raise AFDProtocolError(
@@ -268,9 +323,9 @@ class AFDConnector:
                 f"not in 1..{MAX_CONTROL_BYTES}; expected the int64 byte length of "
                 "docs/protocol.md#control-payload. Run the same vllm_afd version on both roles"
             )
-        data = torch.empty(num_bytes, dtype=torch.uint8, device=device)
+        data = torch.empty(num_bytes, dtype=torch.uint8)
         self._call(label, p.role_rank, self.transport.recv, CONTROL, data, src, timed=False)
-        payload = ControlPayload.decode(data.cpu().numpy().tobytes())
+        payload = ControlPayload.decode(data.numpy().tobytes())
         self._adopt(payload)
         return payload
 
@@ -405,10 +460,6 @@ class AFDConnector:
         """Stamp the timeline at this exchange (its position: the exchanges finished in this step)."""
         if self.timeline is not None:
             self.timeline.mark(kind, self.steps.num_exchanges)
-
-    def _count_host_syncs(self, count: int) -> None:
-        if self.timeline is not None and count:
-            self.timeline.count_host_sync(count)
 
     def _call(self, label: str, peer: int, method: Callable[..., None], *args: Any, timed: bool = True) -> None:
         """One transport call; a transport error becomes the sticky AFDPeerLostError naming the peer."""

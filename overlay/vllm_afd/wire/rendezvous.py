@@ -10,6 +10,7 @@ store operation.
 from __future__ import annotations
 
 import datetime
+import errno
 import logging
 import socket
 import time
@@ -36,6 +37,8 @@ POLL_INTERVAL_S = 0.02
 CONNECT_ATTEMPT_S = 1.0
 # While waiting (for the store, or for other ranks' fingerprints), one INFO line per this many seconds.
 WAIT_LOG_INTERVAL_S = 10.0
+# Poll period while a held claim may turn out stale, and while a re-forming store host rebinds its port.
+STALE_CLAIM_POLL_S = 0.1
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +59,11 @@ class RendezvousSpec:
     port: int
     # Bound on rendezvous, handshake and channel creation, in seconds.
     timeout_s: float
+    # How long a claim held by another process is given to turn out stale (its holder died and FFN
+    # rank 0 re-hosts the store) before it counts as a duplicate; 0: a duplicate at once.
+    stale_claim_s: float = 0.0
+    # FFN rank 0: how long to retry binding a port still held by its previous store (a re-formation).
+    rebind_s: float = 0.0
 
     @property
     def role(self) -> str:
@@ -138,7 +146,8 @@ class Rendezvous:
     def run(self, fingerprint: Fingerprint) -> dict[tuple[str, int], Fingerprint]:
         """Connect, claim, exchange and compare fingerprints; returns every rank's fingerprint."""
         self.connect()
-        self.claim()
+        while not self.claim():
+            self.connect()
         return self.exchange_fingerprints(fingerprint)
 
     def connect(self) -> Any:
@@ -146,11 +155,31 @@ class Rendezvous:
         self.store = self._host_store() if self.spec.is_store_host else self.connect_client()
         return self.store
 
-    def claim(self) -> None:
-        """Claim ``(role, role_rank)`` atomically; a second claimant fails on both sides."""
+    def claim(self) -> bool:
+        """Claim ``(role, role_rank)`` atomically; True once claimed.
+
+        A claim already held is a duplicate (``ValueError`` on both sides) unless the store goes away
+        within ``stale_claim_s``: then the holder was a process that died, the store's host (FFN rank 0)
+        is re-forming, and the caller connects again and claims anew (False).
+        """
+        from torch.distributed import DistNetworkError
+
         count = self._store_call(lambda: self.store.add(self._own_key("claim"), 1))
-        if count > 1:
-            raise self._duplicate_error()
+        if count == 1:
+            return True
+        give_up = self._clock() + min(self.spec.stale_claim_s, self.remaining_s())
+        logger.info("AFD %s: the claim of this rank is held at %s; waiting up to %.0f s for its holder's "
+                    "store to be re-hosted (a restarted role), else this is a duplicate", self.spec.label,
+                    self.spec.address, give_up - self._clock())
+        while self._clock() < give_up:
+            try:
+                self.store.check([self._own_key("claim")])
+            except DistNetworkError:  # FFN rank 0 dropped the old store: re-forming
+                self.store = None
+                return False
+            self._check_cancelled()
+            self._sleep(STALE_CLAIM_POLL_S)
+        raise self._duplicate_error()
 
     def exchange_fingerprints(self, fingerprint: Fingerprint) -> dict[tuple[str, int], Fingerprint]:
         """Publish ours, wait for all F + A, compare (raises AFDConfigMismatchError / AFDLayoutError)."""
@@ -257,15 +286,7 @@ class Rendezvous:
 
         spec = self.spec
         try:
-            family, kind, proto, _, address = socket.getaddrinfo(spec.host, spec.port, type=socket.SOCK_STREAM)[0]
-            listener = socket.socket(family, kind, proto)
-            try:
-                listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                listener.bind(address)
-                listener.listen()
-            except OSError:
-                listener.close()
-                raise
+            listener = self._listen(self._clock() + min(spec.rebind_s, self.remaining_s()))
         except OSError as exc:
             raise RuntimeError(
                 f"AFD FFN rank 0 cannot listen on {spec.address}: {exc}; 'port' must be free and 'host' "
@@ -281,6 +302,23 @@ class Rendezvous:
             use_libuv=False,
             timeout=self._store_timeout(),
         )
+
+    def _listen(self, rebind_until: float) -> socket.socket:
+        """Bind and listen on the store's address; EADDRINUSE is retried until ``rebind_until``."""
+        spec = self.spec
+        family, kind, proto, _, address = socket.getaddrinfo(spec.host, spec.port, type=socket.SOCK_STREAM)[0]
+        while True:
+            listener = socket.socket(family, kind, proto)
+            try:
+                listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                listener.bind(address)
+                listener.listen()
+                return listener
+            except OSError as exc:
+                listener.close()
+                if exc.errno != errno.EADDRINUSE or self._clock() >= rebind_until:
+                    raise
+            self._sleep(STALE_CLAIM_POLL_S)
 
     def connect_client(self) -> Any:
         """A new client connection to the store (FFN rank 0 connects to itself), retrying until the deadline.

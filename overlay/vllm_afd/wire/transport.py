@@ -24,15 +24,12 @@ class Transport(ABC):
     Contract:
       1. Construction takes no resources; ``open`` creates the groups of ``placement.channels()``
          in that order on prefixes of the rendezvous store, bounded by ``timeout_s``.
-      2. ``send``/``recv`` move one tensor each, any dtype; ``recv`` fills the given tensor.
+      2. ``send``/``recv`` move one tensor each, any dtype; ``recv`` fills the given tensor. The
+         ``ctrl`` channel's tensors are CPU tensors, so the control plane never waits for a GPU.
       3. ``abort`` may run on any thread and makes pending transfers fail where the backend allows;
          ``close`` releases everything, is idempotent and bounded.
     """
 
-    # Where control tensors (length, body) live: the CPU for gloo, NCCL (its gloo control group) and IPC
-    # (its mailbox), so the control plane never waits for a GPU; the connector counts the host syncs a
-    # device-side control channel would cost.
-    control_device: torch.device
     # Host synchronisations the transport made since it was built (a blocking device copy, an event
     # wait); the connector's timeline counts them per step. Stream-ordered transports keep 0.
     host_syncs: int = 0

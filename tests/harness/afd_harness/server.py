@@ -114,7 +114,9 @@ class VllmServer:
 
     `env` is laid over os.environ (and over `cpu_server_env()` when `cpu_defaults`);
     `extra_args` come after the CPU defaults, so they win. `plugins=None` keeps vLLM's
-    default of loading every installed general plugin.
+    default of loading every installed general plugin. `command_prefix` runs the server through
+    another program that execs it, e.g. `ip netns exec NAME` (`afd_harness.netns`); pass `port`
+    then, since a free port is looked up on this process's `host`.
     """
 
     def __init__(
@@ -132,6 +134,7 @@ class VllmServer:
         cpu_defaults: bool = True,
         startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
         stop_wait_s: float = DEFAULT_STOP_WAIT_S,
+        command_prefix: Sequence[str] = (),
     ) -> None:
         if launcher not in LAUNCHERS:
             raise ValueError(
@@ -146,7 +149,8 @@ class VllmServer:
             log_dir = Path(tempfile.mkdtemp(prefix="afd-vllm-server-"))
             log_path = log_dir / f"server-{self.port}.log"
         self.log_path = Path(log_path)
-        self.argv = [python, *LAUNCHERS[launcher], self.model, "--host", host, "--port", str(self.port)]
+        self.argv = [*command_prefix, python, *LAUNCHERS[launcher], self.model, "--host", host,
+                     "--port", str(self.port)]
         if cpu_defaults:
             self.argv += cpu_server_args(dtype=checkpoint_dtype(model))
         self.argv += list(extra_args)
@@ -253,6 +257,20 @@ class VllmServer:
                 f"VllmServer: pid {pgid} survived SIGKILL for {self.stop_wait_s} s; expected it to "
                 "exit. Check for a process stuck in uninterruptible sleep (ps -o stat)."
             ) from exc
+
+    def kill(self) -> int | None:
+        """SIGKILL the whole process group at once (a crash, not a shutdown) and forget the process,
+        so that ``start()`` may run the same server again; return the exit code."""
+        if self.process is None:
+            return None
+        pgid = self.process.pid
+        _signal_group(pgid, signal.SIGKILL)
+        deadline = time.monotonic() + self.stop_wait_s
+        while time.monotonic() < deadline and _group_alive(pgid):
+            self.process.poll()
+            time.sleep(0.05)
+        code, self.process = self.process.wait(timeout=self.stop_wait_s), None
+        return code
 
     def log_tail(self, num_lines: int = LOG_TAIL_LINES) -> str:
         if not self.log_path.is_file():

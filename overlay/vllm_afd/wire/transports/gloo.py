@@ -30,6 +30,35 @@ __all__ = ["GlooTransport"]
 GLOO_OP_TIMEOUT = datetime.timedelta(days=365)
 
 
+def _gloo_options(store: Any, timeout: datetime.timedelta) -> tuple[Any, str]:
+    """Gloo options whose device binds the local address that routes to the AFD store's host, and
+    that address ("GLOO_SOCKET_IFNAME=<name>" when the operator chose the interface).
+
+    NOTE: without a device torch binds the address this machine's hostname resolves to, which is
+    loopback in most containers (127.0.0.1) and on Debian-style hosts (127.0.1.1): with the roles on
+    two hosts every rank would publish a loopback address (docs/connection.md#roles-on-different-hosts).
+    The route to the store's host is the route to the other role. ``_Options``/``_devices`` are the
+    fields torch's own ``new_group`` fills; GLOO_SOCKET_IFNAME, when set, still wins.
+    """
+    import os
+    import socket
+
+    from torch.distributed import ProcessGroupGloo
+
+    interface = os.environ.get("GLOO_SOCKET_IFNAME")
+    options = ProcessGroupGloo._Options()
+    options._timeout = timeout
+    if interface:
+        options._devices = [ProcessGroupGloo.create_device(interface=interface.split(",")[0])]
+        return options, f"GLOO_SOCKET_IFNAME={interface}"
+    family, kind, proto, _, address = socket.getaddrinfo(store.host, store.port, type=socket.SOCK_DGRAM)[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.connect(address)  # a UDP connect picks the route and its source address; nothing is sent
+        local = probe.getsockname()[0]
+    options._devices = [ProcessGroupGloo.create_device(hostname=local)]
+    return options, local
+
+
 def _bytes(tensor: torch.Tensor) -> torch.Tensor:
     """The uint8 view of a contiguous CPU tensor (gloo moves bytes; bf16 and fp8 included)."""
     return tensor.reshape(-1).view(torch.uint8)
@@ -41,8 +70,6 @@ class GlooTransport(Transport):
     NOTE: ``ProcessGroupGloo`` objects are built without ``init_process_group``: they never become
     torch's default group and never enter its global rank maps, which vLLM owns.
     """
-
-    control_device = torch.device("cpu")
 
     def __init__(self, device: torch.device, channels: tuple[str, ...] | None = None) -> None:
         self.device = device
@@ -59,11 +86,22 @@ class GlooTransport(Transport):
         from torch.distributed import PrefixStore, ProcessGroupGloo
 
         timeout = datetime.timedelta(seconds=timeout_s)
+        options, local = _gloo_options(store, timeout)
         for name, prefix, rank, size in placement.channels():
             if self.channels is not None and name not in self.channels:
                 continue
             # Creation is bounded by what is left of the rendezvous; traffic by GLOO_OP_TIMEOUT.
-            self._groups[name] = ProcessGroupGloo(PrefixStore(prefix, store), rank, size, timeout)
+            try:
+                self._groups[name] = ProcessGroupGloo(PrefixStore(prefix, store), rank, size, options)
+            except RuntimeError as exc:
+                if "connectFullMesh" not in str(exc):
+                    raise
+                raise RuntimeError(
+                    f"P2pGlooAFDConnector: the {name} group of {placement.label} could not connect its gloo "
+                    f"pairs ({exc}); this rank published {local}. Every rank must reach the others' published "
+                    "addresses: set GLOO_SOCKET_IFNAME to the interface that reaches the other role on every "
+                    "rank (docs/connection.md#roles-on-different-hosts)"
+                ) from exc
 
     def send(self, channel: str, tensor: torch.Tensor, dst: int) -> None:
         if tensor.device.type == "cpu":

@@ -175,8 +175,6 @@ class _Route(NamedTuple):
 class IpcTransport(Transport):
     """Slots in peer-visible device memory, flags in shared host memory; see the module docstring."""
 
-    control_device = torch.device("cpu")
-
     def __init__(self, device: torch.device, *, row_bytes: Mapping[str, Sequence[int]], max_rows: int,
                  driver: Any = None, control: Transport | None = None, hold_period_s: float = HOLD_PERIOD_S) -> None:
         self.device = device

@@ -50,8 +50,6 @@ POLL_S = 0.0005
 class MailboxTransport(Transport):
     """The ``ctrl`` channel of one control pair in a shared page; see the module docstring."""
 
-    control_device = torch.device("cpu")
-
     def __init__(self, *, slots: int = SLOTS, slot_bytes: int = SLOT_BYTES, spin_s: float = SPIN_S,
                  poll_s: float = POLL_S) -> None:
         self.slots, self.slot_bytes, self.spin_s, self.poll_s = slots, slot_bytes, spin_s, poll_s

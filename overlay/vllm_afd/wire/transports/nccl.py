@@ -58,7 +58,6 @@ class NcclTransport(Transport):
             )
         self.device = device
         self._make_communicator = make_communicator
-        self.control_device = torch.device("cpu")
         self._control = GlooTransport(torch.device("cpu"), channels=(CONTROL,))
         self._comms: dict[str, Any] = {}
 

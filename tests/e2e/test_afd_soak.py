@@ -1,0 +1,50 @@
+"""A bounded soak of AFD on CPU: 4 clients against the attention, an attention crash in the middle.
+
+Every request must end completed with plain vLLM's greedy tokens, aborted by the client, or with a
+clear error (docs/failures.md#requests-during-an-outage); the FFN keeps its pid and re-forms
+(docs/connection.md#re-forming); both roles' RSS stays flat after the fault.  No timing
+assertions.  The longer soak with an FFN restart: scripts/soak_afd_cpu.py, numbers in docs/soak.md.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from afd_harness.afd import AFDDeployment
+from afd_harness.server import VllmServer, complete_batch, cpu_server_env
+from afd_harness.soak import MAX_TOKENS, PROMPTS, Fault, SoakPlan, run_soak, summary
+
+pytestmark = pytest.mark.e2e
+
+MAX_GROWTH_MB = 50.0  # over the measured window; generous: a leak per request shows far above it
+
+
+@pytest.fixture(scope="module")
+def baseline(tiny_model_dir, vllm_python, tmp_path_factory):
+    log = tmp_path_factory.mktemp("soak-plain") / "plain.log"
+    with VllmServer(tiny_model_dir("qwen3_moe"), python=vllm_python, launcher="cli",
+                    log_path=log, env=cpu_server_env(omp_cpus="0")) as server:
+        return [g.token_ids for g in complete_batch(server.base_url, list(PROMPTS), MAX_TOKENS)]
+
+
+def test_soak_with_an_attention_crash_and_restart(tiny_model_dir, vllm_python, tmp_path, baseline):
+    plan = SoakPlan(PROMPTS, baseline, clients=4, duration_s=60.0, min_window_s=40.0, settle_s=5.0,
+                    faults=(Fault(15.0, "attention"),))
+    afd = AFDDeployment(tiny_model_dir("qwen3_moe"), python=vllm_python, log_dir=tmp_path)
+
+    with afd:
+        report = run_soak(afd, plan)
+    digest = summary(report)
+    print(json.dumps({k: v for k, v in digest.items() if k != "failures"}, indent=1))
+
+    assert not report.failures, json.dumps(digest["failures"], indent=1)
+    counts = report.counts
+    assert counts.get("completed", 0) > 0 and counts.get("aborted", 0) > 0, counts
+    (fault,) = report.faults
+    assert fault.ffn_pid_kept and fault.ffn_reformations == 1.0, fault
+    for role in ("ffn", "attention"):
+        growth = report.growth(role)
+        assert growth is not None and growth.requests > 0, (role, digest["memory"])
+        assert growth.growth_mb < MAX_GROWTH_MB, (role, growth)

@@ -1,0 +1,143 @@
+"""The soak driver's pure parts (tests/harness/afd_harness/soak.py): outcomes, memory verdict, parsing."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import pathlib
+import random
+import sys
+
+from hypothesis import example, given
+from hypothesis import strategies as st
+
+if importlib.util.find_spec("afd_harness") is None:
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "harness"))
+
+from afd_harness.soak import (  # noqa: E402
+    KINDS, OK_OUTCOMES, Attempt, classify, choose_kind, group_rss_mb, memory_growth,
+    parse_stream_line,
+)
+
+EXPECTED = [[1, 2, 3], [4, 5]]
+DOWN = [(10.0, 20.0)]
+
+
+def attempt(**fields) -> Attempt:
+    return Attempt(**{"kind": "plain", "prompt_index": 0, "started": 1.0, "ended": 2.0, **fields})
+
+
+def test_the_baseline_tokens_complete_and_other_tokens_fail():
+    assert classify(attempt(status=200, token_ids=(1, 2, 3)), EXPECTED, DOWN) == "completed"
+    assert classify(attempt(status=200, token_ids=(1, 2, 4)), EXPECTED, DOWN) == "wrong_tokens"
+    assert classify(attempt(status=200, token_ids=(4, 5)), EXPECTED, DOWN) == "wrong_tokens"
+    assert classify(attempt(status=200), EXPECTED, DOWN) == "wrong_tokens"
+
+
+def test_a_stream_completes_only_with_done_and_the_baseline_tokens():
+    ended = attempt(kind="stream", status=200, token_ids=(4, 5), prompt_index=1, done=True)
+
+    assert classify(ended, EXPECTED, DOWN) == "completed"
+    assert classify(ended._replace(done=False), EXPECTED, DOWN) == "stream_incomplete"
+    assert classify(ended._replace(error="stream_error", message="x"), EXPECTED, DOWN) == "stream_error"
+
+
+def test_only_the_afd_503_is_a_clear_http_error():
+    unavailable = attempt(status=503, message="AFD attention server unavailable: its engine stopped")
+
+    assert classify(unavailable, EXPECTED, DOWN) == "unavailable_503"
+    assert classify(unavailable._replace(message="Service Unavailable"), EXPECTED, DOWN) == "http_503"
+    generic = attempt(status=500, message="EngineCore encountered an issue. See stack trace (above)")
+    assert classify(generic, EXPECTED, DOWN) == "http_500"
+
+
+def test_a_client_abort_is_an_outcome_of_its_own():
+    assert classify(attempt(kind="abort", status=200, aborted=True, token_ids=(1,)), EXPECTED, DOWN) == "aborted"
+
+
+def test_a_timeout_fails_even_while_the_attention_is_down():
+    assert classify(attempt(error="timeout", started=11.0, ended=19.0), EXPECTED, DOWN) == "timeout"
+
+
+@given(start=st.floats(0, 40), length=st.floats(0, 5))
+@example(start=9.0, length=1.0)  # started before the kill, reset by it
+@example(start=20.0, length=0.0)  # refused at the instant the restarted server became healthy
+def test_a_refused_connection_is_clear_exactly_when_it_touches_a_down_window(start, length):
+    refused = attempt(error="connection", started=start, ended=start + length)
+
+    outcome = classify(refused, EXPECTED, DOWN)
+
+    touches = 10.0 <= start <= 20.0 or 10.0 <= start + length <= 20.0
+    assert outcome == ("refused_while_down" if touches else "connection_while_up")
+
+
+attempts = st.builds(
+    Attempt, kind=st.sampled_from(KINDS), prompt_index=st.sampled_from([0, 1]),
+    started=st.floats(0, 40), ended=st.floats(0, 40),
+    status=st.none() | st.sampled_from([200, 400, 500, 503]), message=st.text(max_size=40),
+    token_ids=st.none() | st.lists(st.integers(0, 6), max_size=4).map(tuple),
+    error=st.sampled_from(["", "connection", "timeout", "stream_error"]),
+    done=st.booleans(), aborted=st.booleans(),
+)
+
+
+@given(attempts)
+def test_every_attempt_gets_exactly_one_named_outcome(a):
+    outcome = classify(a, EXPECTED, DOWN)
+
+    failures = {"wrong_tokens", "stream_incomplete", "connection_while_up", "timeout"}
+    assert outcome in OK_OUTCOMES or outcome in failures or outcome.startswith("http_")
+    if outcome == "completed":
+        assert list(a.token_ids) == EXPECTED[a.prompt_index] and not a.error
+
+
+@given(st.lists(st.floats(100, 5000), min_size=2, max_size=40), st.floats(-1000, 1000))
+def test_growth_ignores_a_constant_offset_and_flat_memory_has_none(mbs, offset):
+    points = [(10 * i, mb) for i, mb in enumerate(mbs)]
+    shifted = [(n, mb + offset) for n, mb in points]
+
+    assert abs(memory_growth(points).growth_mb - memory_growth(shifted).growth_mb) < 1e-6
+    assert memory_growth([(n, mbs[0]) for n, _ in points]).growth_mb == 0.0
+
+
+@given(st.integers(2, 60), st.floats(0.0, 5.0))
+def test_a_steady_leak_is_measured_per_100_requests(num_samples, mb_per_request):
+    points = [(50 * i, 800.0 + 50 * i * mb_per_request) for i in range(num_samples)]
+
+    growth = memory_growth(points)
+
+    assert growth.growth_mb >= 0.0 and growth.requests == 50 * (num_samples - 1)
+    if num_samples >= 8:
+        assert growth.growth_mb >= 0.5 * 50 * (num_samples - 1) * mb_per_request - 1e-6
+
+
+def test_growth_skips_samples_taken_while_a_role_was_down():
+    assert memory_growth([(0, None), (5, 700.0)]) is None
+    assert memory_growth([(0, 700.0), (5, None), (9, 710.0)]).growth_mb == 10.0
+
+
+@given(st.integers(0, 10_000))
+def test_the_request_mix_only_draws_the_known_kinds(seed):
+    kinds = {choose_kind(random.Random(seed), (0.45, 0.45, 0.10)) for _ in range(20)}
+
+    assert kinds <= set(KINDS)
+    assert {choose_kind(random.Random(seed), (0, 0, 1)) for _ in range(5)} == {"abort"}
+
+
+def test_stream_lines_parse_into_chunks_errors_and_done():
+    assert parse_stream_line('data: {"choices": [{"token_ids": [7, 8]}]}') == ("chunk", [7, 8])
+    assert parse_stream_line('data: {"error": {"message": "boom", "code": 500}}') == ("error", "boom")
+    assert parse_stream_line("data: [DONE]") == ("done", None)
+    assert parse_stream_line("") == ("skip", None)
+
+
+def test_group_rss_sums_vmrss_of_the_group_only(tmp_path):
+    for pid, pgrp, kb in ((10, 10, 2048), (11, 10, 1024), (12, 99, 4096)):
+        (tmp_path / str(pid)).mkdir()
+        (tmp_path / str(pid) / "stat").write_text(f"{pid} (VLLM::Worker (x)) S 1 {pgrp} {pgrp} 0\n")
+        (tmp_path / str(pid) / "status").write_text(f"Name:\tx\nVmRSS:\t{kb} kB\n")
+    (tmp_path / "self").mkdir()
+
+    assert group_rss_mb(10, proc=tmp_path) == 3.0
+    assert group_rss_mb(42, proc=tmp_path) == 0.0
+    assert group_rss_mb(os.getpgrp()) > 0.0  # the real /proc
