@@ -18,7 +18,7 @@ import torch
 pytest.importorskip("vllm")
 sys.path.insert(0, str(Path(__file__).parents[1] / "connectors"))
 from _harness import free_port  # noqa: E402
-from _vllm_configs import make_vllm_config, write_tiny_model  # noqa: E402
+from _vllm_configs import make_vllm_config  # noqa: E402
 
 from vllm_afd.config import CONNECTORS, ParsedAdditionalConfig, afd_config_of, parse_afd_config  # noqa: E402
 from vllm_afd.connect import (  # noqa: E402
@@ -34,10 +34,6 @@ from vllm_afd.wire.transports.gloo import GlooTransport  # noqa: E402
 
 GLOO = {"connector": "P2pGlooAFDConnector"}
 
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return write_tiny_model(tmp_path_factory.mktemp("tiny_qwen3_moe"))
 
 
 # ---- registry ---------------------------------------------------------------------------------------

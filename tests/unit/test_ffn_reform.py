@@ -13,17 +13,13 @@ import pytest
 pytest.importorskip("vllm")
 sys.path.insert(0, str(Path(__file__).parents[1] / "connectors"))
 from _harness import free_port  # noqa: E402
-from _vllm_configs import make_vllm_config, write_tiny_model  # noqa: E402
+from _vllm_configs import make_vllm_config  # noqa: E402
 
 from vllm_afd.config import parse_afd_config  # noqa: E402
 from vllm_afd.wire.errors import AFDConfigMismatchError, AFDPeerLostError, AFDRendezvousTimeout  # noqa: E402
 
 GLOO = {"connector": "P2pGlooAFDConnector"}
 
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return write_tiny_model(tmp_path_factory.mktemp("qwen"))
 
 
 def role_connector(model_dir, role: str, port: int, **afd):

@@ -12,7 +12,7 @@ import torch
 pytest.importorskip("vllm")
 sys.path.insert(0, str(Path(__file__).parents[1] / "connectors"))
 from _harness import make_spec  # noqa: E402
-from _vllm_configs import make_vllm_config, write_tiny_model  # noqa: E402
+from _vllm_configs import make_vllm_config  # noqa: E402
 
 from vllm_afd.config import parse_afd_config  # noqa: E402
 from vllm_afd.connect import TRANSPORTS, build_connector, max_exchange_rows  # noqa: E402
@@ -22,10 +22,6 @@ from vllm_afd.wire.transports.ipc import IpcTransport  # noqa: E402
 
 IPC = {"connector": "P2pIpcAFDConnector"}
 
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return write_tiny_model(tmp_path_factory.mktemp("tiny_qwen3_moe"))
 
 
 def test_the_registry_sizes_the_ipc_slots_from_the_spec_and_puts_control_in_a_mailbox():
