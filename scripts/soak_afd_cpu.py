@@ -46,7 +46,7 @@ def markdown(digest: dict, command: str) -> str:
     lines += ["", "| fault | at (s) | serving again after (s) | attention start-up (s) | FFN pid kept | "
               "FFN re-formations |", "|---|---|---|---|---|---|"]
     lines += [f"| {f['role']} | {f['at_s']:.0f} | {f['serving_again_s']:.1f} | {f['attention_startup_s']:.1f} "
-              f"| {f['ffn_pid_kept']} | {f['ffn_reformations']:.0f} |" for f in digest["faults"]]
+              f"| {f['ffn_pid_kept']} | {f['ffn_reformations'] if f['ffn_reformations'] is not None else '–'} |" for f in digest["faults"]]
     lines += ["", f"RSS (MB) of each role's process group; window from {digest['memory_window_start_s']} s "
               "(after the last fault) to the end:", "",
               "| role | first sample | last sample | window start | window end | growth | requests | "
@@ -94,8 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         args.out.with_suffix(".json").write_text(json.dumps(digest, indent=1) + "\n")
         args.out.with_suffix(".md").write_text(table)
-    for outcome, attempt in report.failures[:10]:
-        print(f"FAILED request: {outcome}: {attempt}", file=sys.stderr)
+    for failure in digest["failures"][:10]:
+        print(f"FAILED request (times in s since the soak started): {failure}", file=sys.stderr)
     return 1 if report.failures else 0
 
 

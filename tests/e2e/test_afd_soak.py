@@ -30,8 +30,8 @@ def baseline(tiny_model_dir, vllm_python, tmp_path_factory):
 
 
 def test_soak_with_an_attention_crash_and_restart(tiny_model_dir, vllm_python, tmp_path, baseline):
-    plan = SoakPlan(PROMPTS, baseline, clients=4, duration_s=60.0, min_window_s=40.0, settle_s=5.0,
-                    faults=(Fault(15.0, "attention"),))
+    plan = SoakPlan(PROMPTS, baseline, clients=4, duration_s=45.0, min_window_s=30.0, settle_s=5.0,
+                    faults=(Fault(10.0, "attention"),))
     afd = AFDDeployment(tiny_model_dir("qwen3_moe"), python=vllm_python, log_dir=tmp_path)
 
     with afd:
@@ -44,6 +44,8 @@ def test_soak_with_an_attention_crash_and_restart(tiny_model_dir, vllm_python, t
     assert counts.get("completed", 0) > 0 and counts.get("aborted", 0) > 0, counts
     (fault,) = report.faults
     assert fault.ffn_pid_kept and fault.ffn_reformations == 1.0, fault
+    restarted = report.down[-1][1]
+    assert any(o == "completed" and a.started > restarted for o, a in zip(report.outcomes, report.attempts))
     for role in ("ffn", "attention"):
         growth = report.growth(role)
         assert growth is not None and growth.requests > 0, (role, digest["memory"])

@@ -65,7 +65,7 @@ class FaultRecord(NamedTuple):
     serving_again_s: float  # kill to the attention's /health 200 again
     attention_startup_s: float  # the restarted attention: spawn to healthy
     ffn_pid_kept: bool  # the FFN process survived (expected for an attention fault)
-    ffn_reformations: float  # the FFN's afd_reformations_total afterwards
+    ffn_reformations: float | None  # the FFN's afd_reformations_total afterwards (None: not on /metrics)
 
 
 class MemorySample(NamedTuple):
@@ -107,6 +107,7 @@ class SoakReport(NamedTuple):
     down: list[tuple[float, float]]  # attention-down windows (monotonic)
     window_start_s: float  # memory window start, seconds after the soak started
     duration_s: float
+    t0: float  # time.monotonic() at the start
 
     @property
     def counts(self) -> dict[str, int]:
@@ -121,9 +122,7 @@ class SoakReport(NamedTuple):
         return memory_growth([(s.requests, getattr(s, f"{role}_mb")) for s in window])
 
 
-# ---------------------------------------------------------------------------
-# pure parts
-# ---------------------------------------------------------------------------
+# --- pure parts -------------------------------------------------------------
 
 
 def in_windows(t: float, windows: Sequence[tuple[float, float]]) -> bool:
@@ -218,9 +217,7 @@ def group_rss_mb(pgid: int, proc: Path = Path("/proc")) -> float:
     return total_kb / 1024.0
 
 
-# ---------------------------------------------------------------------------
-# the run
-# ---------------------------------------------------------------------------
+# --- the run --------------------------------------------------------------
 
 
 def send(base_url: str, model: str, kind: str, prompt_index: int, plan: SoakPlan) -> Attempt:
@@ -321,7 +318,7 @@ def _sampler(afd, clients: _Clients, t0: float, every_s: float, samples: list[Me
 def _ffn_reformations(afd) -> float:
     from afd_harness.metrics import scrape
 
-    return scrape(afd.ffn.base_url).get(("afd_reformations_total", "ffn"), float("nan"))
+    return scrape(afd.ffn.base_url).get(("afd_reformations_total", "ffn"))
 
 
 def inject(afd, role: str, t0: float, down: list[tuple[float, float]],
@@ -348,7 +345,7 @@ def inject(afd, role: str, t0: float, down: list[tuple[float, float]],
                          afd.ffn.process.pid == ffn_pid and afd.ffn.process.poll() is None,
                          _ffn_reformations(afd))
     log(f"soak: {role} fault at {record.at_s:.0f} s: serving again after {record.serving_again_s:.1f} s "
-        f"(FFN pid kept: {record.ffn_pid_kept}, FFN re-formations {record.ffn_reformations:.0f})")
+        f"(FFN pid kept: {record.ffn_pid_kept}, FFN re-formations {record.ffn_reformations})")
     return record
 
 
@@ -389,7 +386,7 @@ def run_soak(afd, plan: SoakPlan, log: Callable[[str], None] = print) -> SoakRep
     outcomes = [classify(a, plan.expected, down) for a in attempts]
     return SoakReport(attempts, outcomes, faults, samples, down,
                       last_fault_end + plan.settle_s if faults else plan.settle_s,
-                      time.monotonic() - t0)
+                      time.monotonic() - t0, t0)
 
 
 def summary(report: SoakReport) -> dict[str, Any]:
@@ -402,7 +399,8 @@ def summary(report: SoakReport) -> dict[str, Any]:
         "duration_s": round(report.duration_s, 1),
         "requests": len(report.attempts),
         "outcomes": dict(sorted(report.counts.items())),
-        "failures": [{"outcome": o, **a._asdict()} for o, a in report.failures[:20]],
+        "failures": [{"outcome": o, **a._asdict(), "started": round(a.started - report.t0, 3),
+                      "ended": round(a.ended - report.t0, 3)} for o, a in report.failures[:20]],
         "faults": [f._asdict() for f in report.faults],
         "memory_window_start_s": round(report.window_start_s, 1),
         "memory": {role: {**rss_edges(role),
