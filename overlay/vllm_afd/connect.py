@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from vllm_afd.config import AFDConfig
+from vllm_afd.outage import outage_notice_writer
 from vllm_afd.wire.connector import AFDConnector, ConnectorSpec
 from vllm_afd.wire.handshake import Fingerprint
 from vllm_afd.wire.placement import Placement
@@ -178,7 +179,9 @@ def build_connector(
         timeline_clock=timeline_clock(afd_config, device.type),
     )
     factory = TRANSPORTS[afd_config.connector]
-    # NOTE: only the FFN re-forms (the attention's engine cannot outlive a failed step: docs/connection.md).
+    # NOTE: only the FFN re-forms (the attention's engine cannot outlive a failed step: docs/connection.md);
+    # the attention's API server answers 503 from the moment of the failure (outage.py).
     reform = afd_config.role == "ffn" and afd_config.reform_timeout_s > 0
     return AFDConnector(spec, placement, factory(device, spec), fingerprint,
-                        new_transport=(lambda: factory(device, spec)) if reform else None)
+                        new_transport=(lambda: factory(device, spec)) if reform else None,
+                        on_failure=outage_notice_writer() if afd_config.role == "attention" else None)

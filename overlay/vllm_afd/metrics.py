@@ -35,7 +35,6 @@ from prometheus_client.mmap_dict import MmapedDict, mmap_key
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.utils import floatToGoString
 
-from vllm_afd.outage import record_outage
 from vllm_afd.wire.timeline import A2F_SEND_START, F2A_RECV_END, StepRecord
 
 __all__ = [
@@ -235,8 +234,6 @@ class AFDMetrics:
         self.histogram = _Histogram(name, self.labels)
         ident = f"afd-{role}-{role_rank}-{os.getpid()}-{next(_writer_ids)}"
         self._files = _Files(directory, ident)
-        self.directory = directory
-        self._outage_written = False
         with self._lock:
             self._write_steps()
             self._write_histogram(range(len(self.histogram.counts)))
@@ -318,10 +315,6 @@ class AFDMetrics:
         connector = self._connector
         if connector is not None:
             self._set_peer_state(connector.is_initialized, connector.failure is not None)
-            if self.role == "attention" and connector.failure is not None and not self._outage_written:
-                # The attention's engine stops on an AFD failure: its API server answers 503 with this.
-                self._outage_written = True
-                record_outage(self.directory, connector.failure)
             if connector.rendezvous_s is not None and connector.rendezvous_s != self._rendezvous_written:
                 self._set_rendezvous_seconds(connector.rendezvous_s)
             reformations = connector.reformations

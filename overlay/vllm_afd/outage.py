@@ -1,9 +1,11 @@
 """The attention's outage notice: what its API server answers while its engine is down after an AFD
 failure (docs/failures.md#requests-during-an-outage).
 
-The failure is seen in a worker process, the requests arrive in the API server process.  The worker's
-metrics watcher (metrics.py) writes the failure's message to ``OUTAGE_FILE`` in the server's AFD
-directory (``metrics_dir()``) the first time it sees it; the API server's request veto (plugin.py)
+The failure is seen in a worker process, the requests arrive in the API server process.  The attention
+connector's failure latch writes the failure's message to ``OUTAGE_FILE`` in the server's AFD
+directory (``metrics_dir()``) the moment it records it, before the failure is raised into the engine
+(connect.py passes ``outage_notice_writer()``), so no request reaches the dead engine after it;
+the API server's request veto (plugin.py)
 answers every generation request with HTTP 503 and that message while the file exists, instead of
 vLLM's generic "EngineCore encountered an issue".  The root process of a ``vllm serve`` removes a file
 left in that directory by an earlier run, so a restarted server starts without one.
@@ -12,8 +14,9 @@ left in that directory by an earlier run, so a restarted server starts without o
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
-__all__ = ["OUTAGE_FILE", "clear_outage", "outage_message", "read_outage", "record_outage"]
+__all__ = ["OUTAGE_FILE", "clear_outage", "outage_message", "outage_notice_writer", "read_outage", "record_outage"]
 
 OUTAGE_FILE = "afd-attention-outage.txt"
 
@@ -34,6 +37,17 @@ def record_outage(directory: str, failure: BaseException) -> None:
     with open(staging, "w", encoding="utf-8") as out:
         out.write(outage_message(failure))
     os.replace(staging, path)
+
+
+def outage_notice_writer() -> Callable[[BaseException], None] | None:
+    """The attention connector's failure callback: the notice into this server's AFD directory; None
+    where the process has none (AFD metrics off: vLLM's generic engine error remains)."""
+    from vllm_afd.metrics import metrics_dir
+
+    directory = metrics_dir()
+    if directory is None:
+        return None
+    return lambda failure: record_outage(directory, failure)
 
 
 def read_outage(directory: str) -> str | None:

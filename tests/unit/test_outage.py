@@ -1,5 +1,6 @@
 """The attention's outage notice (vllm_afd/outage.py, docs/failures.md#requests-during-an-outage):
-written once by the worker's metrics on an AFD failure, answered as HTTP 503 by the API server's veto."""
+written once by the connector's failure latch the moment it fails, answered as HTTP 503 by the API
+server's veto."""
 
 from __future__ import annotations
 
@@ -8,22 +9,12 @@ from http import HTTPStatus
 import pytest
 
 from vllm_afd import plugin
-from vllm_afd.metrics import METRICS_DIR_ENV, PROMETHEUS_DIR_ENV, AFDMetrics
-from vllm_afd.outage import OUTAGE_FILE, clear_outage, read_outage, record_outage
+from vllm_afd.metrics import METRICS_DIR_ENV, PROMETHEUS_DIR_ENV
+from vllm_afd.outage import clear_outage, outage_notice_writer, read_outage, record_outage
 from vllm_afd.wire.errors import AFDPeerLostError
+from vllm_afd.wire.watchdog import FailureLatch
 
 pytest.importorskip("vllm")
-
-
-class FailedConnector:
-    """The connector surface the metrics read, after a lost peer."""
-
-    def __init__(self, failure: BaseException | None) -> None:
-        self.steps = type("Steps", (), {"payload": None})()
-        self.is_initialized = failure is None
-        self.failure = failure
-        self.rendezvous_s = 1.0
-        self.reformations = 0
 
 
 def test_the_notice_is_written_once_read_whole_and_cleared(tmp_path):
@@ -42,18 +33,30 @@ def test_the_notice_is_written_once_read_whole_and_cleared(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == []
 
 
-@pytest.mark.parametrize("role, failure, written", [
-    ("attention", AFDPeerLostError("AFD peer lost: x"), True),
-    ("attention", None, False),
-    ("ffn", AFDPeerLostError("AFD peer lost: x"), False),  # the FFN re-forms; its server has nothing to refuse
-])
-def test_metrics_write_the_notice_for_a_failed_attention_only(tmp_path, role, failure, written):
-    metrics = AFDMetrics(str(tmp_path), role, 0, "P2pGlooAFDConnector")
-    metrics.watch(FailedConnector(failure), thread=False)
-    metrics.flush()
-    metrics.close()
+def test_the_writer_puts_the_notice_into_this_servers_afd_directory_or_is_none_without_one(tmp_path, monkeypatch):
+    monkeypatch.delenv(PROMETHEUS_DIR_ENV, raising=False)
+    monkeypatch.delenv(METRICS_DIR_ENV, raising=False)
+    assert outage_notice_writer() is None  # metrics off: vLLM's generic engine error remains
 
-    assert (tmp_path / OUTAGE_FILE).exists() is written
+    monkeypatch.setenv(METRICS_DIR_ENV, str(tmp_path))
+    outage_notice_writer()(AFDPeerLostError("AFD peer lost: x"))
+
+    assert read_outage(str(tmp_path)).startswith("AFD attention server unavailable")
+
+
+def test_the_latch_tells_the_first_failure_at_once_and_survives_a_failing_callback():
+    told: list[BaseException] = []
+
+    def callback(exc: BaseException) -> None:
+        told.append(exc)
+        raise OSError("disk full")
+
+    latch = FailureLatch(lambda: None, None, on_failure=callback)
+    first, second = AFDPeerLostError("first"), AFDPeerLostError("second")
+
+    assert latch.fail(first) is first and told == [first]  # synchronous: before anyone could observe it
+    assert latch.fail(second) is first and told == [first]
+    latch.close()
 
 
 def test_the_attention_veto_answers_503_with_the_notice_while_it_exists(tmp_path, monkeypatch):

@@ -141,3 +141,13 @@ def test_group_rss_sums_vmrss_of_the_group_only(tmp_path):
     assert group_rss_mb(10, proc=tmp_path) == 3.0
     assert group_rss_mb(42, proc=tmp_path) == 0.0
     assert group_rss_mb(os.getpgrp()) > 0.0  # the real /proc
+
+
+def test_the_engine_dead_500_is_accepted_only_for_a_request_in_flight_when_the_ffn_died():
+    def died(started, ended):
+        return attempt(status=500, message="EngineCore encountered an issue. See stack trace (above) for the root "
+                       "cause.", started=started, ended=ended)
+
+    assert classify(died(9.0, 10.5), EXPECTED, DOWN, ffn_deaths=[10.0]) == "engine_died_in_flight"
+    assert classify(died(10.2, 10.5), EXPECTED, DOWN, ffn_deaths=[10.0]) == "http_500"  # arrived after: needs the 503
+    assert classify(died(9.0, 10.5), EXPECTED, DOWN) == "http_500"

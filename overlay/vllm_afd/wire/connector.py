@@ -103,6 +103,7 @@ class AFDConnector:
         *,
         terminate: Callable[[BaseException], None] | None = terminate_process,
         new_transport: Callable[[], Transport] | None = None,
+        on_failure: Callable[[BaseException], None] | None = None,
     ) -> None:
         self.spec = spec
         self.placement = placement
@@ -113,7 +114,9 @@ class AFDConnector:
         self._terminate = terminate
         # Builds the fresh transport of a re-formation (reform()); None: this connector cannot re-form.
         self._new_transport = new_transport
-        self._latch = FailureLatch(transport.abort, terminate)
+        # Told each first failure at once, on the failing thread (connect.py: the attention's outage notice).
+        self._on_failure = on_failure
+        self._latch = FailureLatch(transport.abort, terminate, on_failure=on_failure)
         self._lock = threading.Lock()
         self._initialized = False
         self._initializing = False
@@ -230,7 +233,7 @@ class AFDConnector:
         self._latch.close()  # the old failure is handled here: no termination fallback
         self._release()
         self.transport = self._new_transport()
-        self._latch = FailureLatch(self.transport.abort, self._terminate)
+        self._latch = FailureLatch(self.transport.abort, self._terminate, on_failure=self._on_failure)
         self.steps = StepState(self.placement, s.exchanges_per_stage, s.name)
         self.fingerprints = {}
         self._buffers.clear()
@@ -479,7 +482,8 @@ class AFDConnector:
             return RuntimeError(f"{self.spec.name}: {what} interrupted by close() ({exc})")
         lost = AFDPeerLostError(
             f"AFD peer lost: {what} failed on {self.placement.label} ({exc}); the peer process died or "
-            "closed its connections. Check the other role's log, then restart both roles"
+            "closed its connections. Check the other role's log; a restarted attention pairs with a waiting "
+            "FFN (docs/operations.md)"
         )
         return self._latch.fail(lost, observed=True)
 

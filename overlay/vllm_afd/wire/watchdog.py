@@ -68,9 +68,12 @@ class FailureLatch:
         *,
         grace_s: float = TERMINATE_GRACE_S,
         abort_join_s: float = ABORT_JOIN_S,
+        on_failure: Callable[[BaseException], None] | None = None,
     ) -> None:
         self._abort = abort
         self._terminate = terminate
+        # Told the first failure synchronously, before anyone can observe it (the attention's outage notice).
+        self._on_failure = on_failure
         self._grace_s = grace_s
         self._abort_join_s = abort_join_s
         self._lock = threading.Lock()
@@ -98,6 +101,11 @@ class FailureLatch:
             self._observed.set()
         if first:
             logger.error("AFD connector failed: %s", exc)
+            if self._on_failure is not None:
+                try:
+                    self._on_failure(exc)
+                except Exception:  # noqa: BLE001 - the failure is recorded; the notice is best effort
+                    logger.exception("AFD: the failure callback raised")
             self._handler = threading.Thread(target=self._handle, name="afd-failure", daemon=True)
             self._handler.start()
         return self._failure if self._failure is not None else exc

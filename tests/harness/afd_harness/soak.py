@@ -35,7 +35,10 @@ MAX_TOKENS = 12
 UNAVAILABLE_PREFIX = "AFD attention server unavailable"
 KINDS = ("plain", "stream", "abort")  # non-streamed, streamed to the end, closed by the client
 
-OK_OUTCOMES = ("completed", "aborted", "unavailable_503", "stream_error", "refused_while_down")
+# vLLM's one message for every request inside an engine that died (no seam on that path: docs/failures.md).
+ENGINE_DEAD_PREFIX = "EngineCore encountered an issue"
+OK_OUTCOMES = ("completed", "aborted", "unavailable_503", "stream_error", "refused_while_down",
+               "engine_died_in_flight")
 # failures: wrong_tokens, http_<status>, stream_incomplete, connection_while_up, timeout
 
 
@@ -130,8 +133,12 @@ def in_windows(t: float, windows: Sequence[tuple[float, float]]) -> bool:
 
 
 def classify(attempt: Attempt, expected: Sequence[Sequence[int]],
-             down: Sequence[tuple[float, float]]) -> str:
-    """The outcome of one attempt: one of OK_OUTCOMES, else the name of the failure."""
+             down: Sequence[tuple[float, float]], ffn_deaths: Sequence[float] = ()) -> str:
+    """The outcome of one attempt: one of OK_OUTCOMES, else the name of the failure.
+
+    vLLM's generic engine-dead 500 is accepted only for a request already inside the engine when
+    the FFN died (`ffn_deaths`, monotonic); a request that arrives after it must get the AFD 503.
+    """
     if attempt.error == "timeout":
         return "timeout"
     if attempt.error == "connection":
@@ -143,6 +150,9 @@ def classify(attempt: Attempt, expected: Sequence[Sequence[int]],
     if attempt.status is not None and attempt.status != 200:
         if attempt.status == 503 and attempt.message.startswith(UNAVAILABLE_PREFIX):
             return "unavailable_503"
+        in_flight = any(attempt.started < death <= attempt.ended for death in ffn_deaths)
+        if attempt.status == 500 and attempt.message.startswith(ENGINE_DEAD_PREFIX) and in_flight:
+            return "engine_died_in_flight"
         return f"http_{attempt.status}"
     if attempt.aborted:
         return "aborted"
@@ -321,14 +331,16 @@ def _ffn_reformations(afd) -> float:
     return scrape(afd.ffn.base_url).get(("afd_reformations_total", "ffn"))
 
 
-def inject(afd, role: str, t0: float, down: list[tuple[float, float]],
+def inject(afd, role: str, t0: float, down: list[tuple[float, float]], ffn_deaths: list[float],
            log: Callable[[str], None]) -> FaultRecord:
-    """One fault and its recovery; appends the attention-down window to `down` (open until healthy)."""
+    """One fault and its recovery; appends the attention-down window to `down` (open until healthy)
+    and, for an FFN fault, the moment of the FFN's death to `ffn_deaths`."""
     from afd_harness.metrics import scrape, wait_for
 
     ffn_pid = afd.ffn.process.pid
     killed = time.monotonic()
     if role == "ffn":
+        ffn_deaths.append(time.monotonic())
         afd.ffn.kill()
         # The attention's engine stops; its API server answers 503 until it is restarted.
         wait_for(lambda: _health(afd.attention.base_url) == 503, 60.0)
@@ -363,6 +375,7 @@ def run_soak(afd, plan: SoakPlan, log: Callable[[str], None] = print) -> SoakRep
     clients = _Clients(afd.attention.base_url, str(afd.model), plan)
     samples: list[MemorySample] = []
     down: list[tuple[float, float]] = []
+    ffn_deaths: list[float] = []
     faults: list[FaultRecord] = []
     stop_sampling = threading.Event()
     t0 = time.monotonic()
@@ -374,7 +387,7 @@ def run_soak(afd, plan: SoakPlan, log: Callable[[str], None] = print) -> SoakRep
     try:
         for fault in sorted(plan.faults):
             time.sleep(max(0.0, t0 + fault.at_s - time.monotonic()))
-            faults.append(inject(afd, fault.role, t0, down, log))
+            faults.append(inject(afd, fault.role, t0, down, ffn_deaths, log))
             last_fault_end = time.monotonic() - t0
         end = max(plan.duration_s, last_fault_end + plan.min_window_s)
         time.sleep(max(0.0, t0 + end - time.monotonic()))
@@ -383,7 +396,7 @@ def run_soak(afd, plan: SoakPlan, log: Callable[[str], None] = print) -> SoakRep
         stop_sampling.set()
         sampler.join(10.0)
     attempts = sorted(clients.attempts, key=lambda a: a.started)
-    outcomes = [classify(a, plan.expected, down) for a in attempts]
+    outcomes = [classify(a, plan.expected, down, ffn_deaths) for a in attempts]
     return SoakReport(attempts, outcomes, faults, samples, down,
                       last_fault_end + plan.settle_s if faults else plan.settle_s,
                       time.monotonic() - t0, t0)
