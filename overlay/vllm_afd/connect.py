@@ -24,13 +24,14 @@ from vllm_afd.wire.connector import AFDConnector, ConnectorSpec
 from vllm_afd.wire.handshake import Fingerprint
 from vllm_afd.wire.placement import Placement
 from vllm_afd.wire.transport import Transport
+from vllm_afd.wire.watchdog import terminate_process
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
 __all__ = [
-    "TRANSPORTS", "build_connector", "build_fingerprint", "build_placement", "max_exchange_rows", "native_architecture",
-    "timeline_clock",
+    "TRANSPORTS", "attention_heals", "build_connector", "build_fingerprint", "build_placement", "max_exchange_rows",
+    "native_architecture", "timeline_clock",
 ]
 
 
@@ -155,9 +156,13 @@ def build_fingerprint(vllm_config: VllmConfig, afd_config: AFDConfig, placement:
 
 
 def build_connector(
-    vllm_config: VllmConfig, afd_config: AFDConfig, placement: Placement, device: torch.device
+    vllm_config: VllmConfig, afd_config: AFDConfig, placement: Placement, device: torch.device, *,
+    terminate: Callable[[BaseException], None] = terminate_process,
 ) -> AFDConnector:
-    """The configured connector for this rank, constructed without communication."""
+    """The configured connector for this rank, constructed without communication.
+
+    ``terminate``: what an unobserved failure ends in (a healing attention re-forms instead).
+    """
     fingerprint = build_fingerprint(vllm_config, afd_config, placement)
     gate_on_attention = afd_config.compute_gate_on_attention
     spec = ConnectorSpec(
@@ -179,9 +184,18 @@ def build_connector(
         timeline_clock=timeline_clock(afd_config, device.type),
     )
     factory = TRANSPORTS[afd_config.connector]
-    # NOTE: only the FFN re-forms (the attention's engine cannot outlive a failed step: docs/connection.md);
-    # the attention's API server answers 503 from the moment of the failure (outage.py).
-    reform = afd_config.role == "ffn" and afd_config.reform_timeout_s > 0
-    return AFDConnector(spec, placement, factory(device, spec), fingerprint,
-                        new_transport=(lambda: factory(device, spec)) if reform else None,
-                        on_failure=outage_notice_writer() if afd_config.role == "attention" else None)
+    reform = afd_config.reform_timeout_s > 0 and (afd_config.role == "ffn" or attention_heals(vllm_config))
+    # NOTE: the attention's API server answers 503 from the moment of the failure (outage.py).
+    notice = None
+    if afd_config.role == "attention":
+        notice = outage_notice_writer(afd_config.reform_timeout_s if reform else None)
+    return AFDConnector(spec, placement, factory(device, spec), fingerprint, terminate=terminate,
+                        new_transport=(lambda: factory(device, spec)) if reform else None, on_failure=notice)
+
+
+def attention_heals(vllm_config: VllmConfig) -> bool:
+    """Whether this attention re-forms after a lost FFN: its config hook turned vLLM's fault tolerance
+    on (validation.healing_blocker found nothing in the way; docs/connection.md#healing-attention)."""
+    from vllm_afd.validation import graph_mode
+
+    return bool(vllm_config.parallel_config.enable_fault_tolerance) and graph_mode(vllm_config) == "eager"

@@ -9,6 +9,11 @@ the API server's request veto (plugin.py)
 answers every generation request with HTTP 503 and that message while the file exists, instead of
 vLLM's generic "EngineCore encountered an issue".  The root process of a ``vllm serve`` removes a file
 left in that directory by an earlier run, so a restarted server starts without one.
+
+A healing attention (attention/healing.py) says so in its notice (it pairs again by itself when the
+FFN returns), removes the notice once paired again, and replaces it with the restart notice when it
+gives up; the engine core's fault responder (plugin.py) reads the notice to tell an AFD failure,
+which heals, from any other fault, which it leaves to vLLM.
 """
 
 from __future__ import annotations
@@ -16,7 +21,10 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 
-__all__ = ["OUTAGE_FILE", "clear_outage", "outage_message", "outage_notice_writer", "read_outage", "record_outage"]
+__all__ = [
+    "OUTAGE_FILE", "clear_outage", "healing_message", "outage_message", "outage_notice_writer", "read_outage",
+    "record_outage",
+]
 
 OUTAGE_FILE = "afd-attention-outage.txt"
 
@@ -28,26 +36,37 @@ def outage_message(failure: BaseException) -> str:
             "new one; send requests elsewhere meanwhile")
 
 
-def record_outage(directory: str, failure: BaseException) -> None:
-    """Write the notice once (atomically: a reader sees all of it or nothing)."""
+def healing_message(failure: BaseException, reform_timeout_s: float) -> str:
+    """What a client of a healing attention server reads while it waits for its FFN."""
+    return (f"AFD attention server unavailable: its FFN peer was lost ({failure}); re-forming: this server "
+            f"serves again once the FFN is back and paired (waiting up to reform_timeout_s={reform_timeout_s:g} s). "
+            "Retry shortly or send requests elsewhere meanwhile")
+
+
+def record_outage(directory: str, message: str, *, replace: bool = False) -> None:
+    """Write the notice (atomically: a reader sees all of it or nothing); the first one stays unless
+    ``replace`` (a healing attention that gave up)."""
     path = os.path.join(directory, OUTAGE_FILE)
-    if os.path.exists(path):
+    if os.path.exists(path) and not replace:
         return
     staging = f"{path}.{os.getpid()}"
     with open(staging, "w", encoding="utf-8") as out:
-        out.write(outage_message(failure))
+        out.write(message)
     os.replace(staging, path)
 
 
-def outage_notice_writer() -> Callable[[BaseException], None] | None:
-    """The attention connector's failure callback: the notice into this server's AFD directory; None
-    where the process has none (AFD metrics off: vLLM's generic engine error remains)."""
+def outage_notice_writer(reform_timeout_s: float | None = None) -> Callable[[BaseException], None] | None:
+    """The attention connector's failure callback: the notice into this server's AFD directory (the
+    healing one where ``reform_timeout_s`` is given); None where the process has none (AFD metrics off:
+    vLLM's generic engine error remains)."""
     from vllm_afd.metrics import metrics_dir
 
     directory = metrics_dir()
     if directory is None:
         return None
-    return lambda failure: record_outage(directory, failure)
+    if reform_timeout_s is None:
+        return lambda failure: record_outage(directory, outage_message(failure))
+    return lambda failure: record_outage(directory, healing_message(failure, reform_timeout_s))
 
 
 def read_outage(directory: str) -> str | None:

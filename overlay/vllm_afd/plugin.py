@@ -2,15 +2,18 @@
 
 vLLM calls `register()` in every process it starts (front end, engine core, workers, the
 model-inspection subprocess), so it must be cheap, idempotent and free of CUDA work.  It
-registers two things through official seams:
+registers three things through official seams:
 
 * the AFD model aliases (`ModelRegistry.register_model` with lazy "module:Class" strings);
 * a vLLM config hook (patch `config-add-vllm-config-hooks`).  The hook does nothing unless
   `additional_config["afd"]` is present; then it validates the AFD config, picks the
   role's worker class while `worker_cls` is still "auto", applies the role defaults
-  (the FFN's front-end request veto; the attention server's keep-alive on engine death and
-  its 503 veto while the engine is down after an AFD failure, outage.py)
-  and, in the root process, exposes the workers' AFD metrics on /metrics (metrics.py).
+  (the FFN's front-end request veto; the attention server's keep-alive on engine death,
+  its 503 veto while the engine is down after an AFD failure, outage.py, and vLLM's fault
+  tolerance where it can heal a lost FFN, attention/healing.py)
+  and, in the root process, exposes the workers' AFD metrics on /metrics (metrics.py);
+* an engine-core fault responder (patch `engine-core-sentinel-add-fault-responders`) that
+  answers an AFD failure with an immediate retry; inert for any other fault and without AFD.
 
 Forward-context hooks are never registered here: the attention runner registers its own
 in `__init__` and removes it in `shutdown`, so FFN and non-AFD processes never see one.
@@ -25,6 +28,9 @@ from vllm_afd.config import parse_afd_config
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.v1.fault_tolerance.utils import FaultToleranceRequest
+
+    from vllm_afd.config import AFDConfig
 
 _registered = False
 
@@ -44,11 +50,13 @@ def register() -> None:
 
     check_installed_vllm()  # before touching any hook: a clear error on an unpatched vLLM
     from vllm.config.vllm import register_vllm_config_hook
+    from vllm.v1.fault_tolerance.engine_core_sentinel import register_fault_responder
 
     from vllm_afd.models import register_afd_models
 
     register_afd_models()
     register_vllm_config_hook(apply_afd_config)
+    register_fault_responder(retry_after_afd_outage)
     route_afd_logs_to_vllm()
     _registered = True
 
@@ -115,6 +123,52 @@ def apply_afd_config(vllm_config: VllmConfig) -> None:
         # an attention server must keep answering /health (503) when the FFN is lost.
         os.environ.setdefault("VLLM_KEEP_ALIVE_ON_ENGINE_DEATH", "1")
         _install_attention_outage_veto()
+        enable_attention_healing(vllm_config, afd)
+
+
+def enable_attention_healing(vllm_config: VllmConfig, afd: AFDConfig) -> None:
+    """Turn on vLLM's fault tolerance for an attention that can heal a lost FFN (attention/healing.py),
+    else log once why it cannot: then a lost FFN stops its engine and the server must be restarted."""
+    from vllm_afd.validation import healing_blocker
+
+    blocker = healing_blocker(vllm_config, afd)
+    parallel = vllm_config.parallel_config
+    if blocker is None and not parallel.enable_fault_tolerance:
+        parallel.enable_fault_tolerance = True
+        # NOTE: AFD's fault responder retries an AFD failure at once; any other fault ends the engine
+        # at once, as it did without fault tolerance, instead of waiting for an operator's retry.
+        parallel.fault_tolerance_config.engine_recovery_timeout_sec = 0
+    elif blocker is not None and not parallel.enable_fault_tolerance:
+        _log_once(f"AFD attention: a lost FFN will stop this server, which must then be restarted ({blocker})")
+
+
+_logged: set[str] = set()
+
+
+def _log_once(message: str) -> None:
+    import logging
+
+    if message not in _logged:
+        _logged.add(message)
+        logging.getLogger("vllm_afd").info("%s", message)
+
+
+def retry_after_afd_outage(fault: Exception) -> FaultToleranceRequest | None:
+    """Engine core fault responder (patch ``engine-core-sentinel-add-fault-responders``): retry at once
+    when the fault is an AFD failure, which the workers heal by pairing again; else leave it to vLLM.
+
+    An AFD failure writes the outage notice before it is raised (outage.py), so the notice tells it
+    apart from any other fault even where the executor wrapped the worker's exception in a string.
+    """
+    from vllm.v1.fault_tolerance.utils import FaultToleranceRequest
+
+    from vllm_afd.metrics import metrics_dir
+    from vllm_afd.outage import read_outage
+
+    directory = metrics_dir()
+    if directory is None or read_outage(directory) is None:
+        return None
+    return FaultToleranceRequest(instruction="retry", params={}, request_id="afd-heal")
 
 
 _veto_installed = False

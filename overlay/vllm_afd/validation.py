@@ -55,6 +55,22 @@ def graph_mode(vllm_config: VllmConfig) -> str:
     return mode.name
 
 
+def healing_blocker(vllm_config: VllmConfig, afd: AFDConfig) -> str | None:
+    """Why an attention server cannot heal a lost FFN by itself (docs/connection.md#healing-attention),
+    or None: it can, and its config hook turns on vLLM's fault tolerance for it."""
+    parallel = vllm_config.parallel_config
+    if afd.reform_timeout_s == 0:
+        return "reform_timeout_s is 0"
+    if parallel.data_parallel_size > 1:
+        return (f"attention DP {parallel.data_parallel_size} runs in one vllm serve, whose internal DP load "
+                "balancer vLLM's fault tolerance refuses; start one vllm serve per DP rank to heal")
+    if getattr(parallel, "_api_process_count", 1) > 1:
+        return "vLLM's fault tolerance needs --api-server-count 1"
+    if graph_mode(vllm_config) != "eager":
+        return "its CUDA graphs hold the old pairing's buffers; run the attention eager to heal"
+    return None
+
+
 def check_worker_stack(worker_cls: object, platform: str, role: str) -> None:
     """The worker class the engine chose must be this role's AFD worker."""
     if not isinstance(worker_cls, str):

@@ -21,6 +21,7 @@ pytestmark = pytest.mark.wheel
 FORWARD_CONTEXT = "vllm/forward_context.py"
 CONFIG = "vllm/config/vllm.py"
 SERVING = "vllm/entrypoints/serve/engine/serving.py"
+FT_SENTINEL = "vllm/v1/fault_tolerance/engine_core_sentinel.py"
 CLI_MAIN = "vllm/entrypoints/cli/main.py"
 CLI_RUN_BATCH = "vllm/entrypoints/cli/run_batch.py"
 
@@ -88,6 +89,7 @@ def test_patch_header_has_the_required_fields(name: str) -> None:
         (FORWARD_CONTEXT, "register_forward_context_hook", "ForwardContextHook"),
         (CONFIG, "register_vllm_config_hook", "VllmConfigHook"),
         (SERVING, "register_request_veto", "RequestVeto"),
+        (FT_SENTINEL, "register_fault_responder", "FaultResponder"),
     ],
 )
 def test_registries_take_one_callable_and_return_an_unregister_function(

@@ -92,7 +92,7 @@ def test_no_attention_within_reform_timeout_is_an_error_naming_the_key_and_the_f
         runner.reform(AFDPeerLostError("AFD peer lost: attention rank 0 silent for 5.0s (peer_timeout_s=5)"))
     runner.connector.close()
 
-    assert str(info.value).startswith(
-        "AFD ffn rank 0: the attention did not return within reform_timeout_s=1 after AFD peer lost: attention "
-        "rank 0 silent for 5.0s (peer_timeout_s=5); this FFN exits. Restart the attention within "
-        "reform_timeout_s, or raise it")
+    assert str(info.value) == (
+        "AFD ffn rank 0: the attention did not return with an agreeing handshake within reform_timeout_s=1 after "
+        "AFD peer lost: attention rank 0 silent for 5.0s (peer_timeout_s=5); this FFN exits. Restart the "
+        "attention with the FFN's model and AFD settings within reform_timeout_s, or raise it")

@@ -10,7 +10,7 @@ import pytest
 
 from vllm_afd import plugin
 from vllm_afd.metrics import METRICS_DIR_ENV, PROMETHEUS_DIR_ENV
-from vllm_afd.outage import clear_outage, outage_notice_writer, read_outage, record_outage
+from vllm_afd.outage import clear_outage, healing_message, outage_message, outage_notice_writer, read_outage, record_outage
 from vllm_afd.wire.errors import AFDPeerLostError
 from vllm_afd.wire.watchdog import FailureLatch
 
@@ -20,8 +20,8 @@ pytest.importorskip("vllm")
 def test_the_notice_is_written_once_read_whole_and_cleared(tmp_path):
     assert read_outage(str(tmp_path)) is None
 
-    record_outage(str(tmp_path), AFDPeerLostError("AFD peer lost: ffn rank 0 silent for 5.0s"))
-    record_outage(str(tmp_path), AFDPeerLostError("a later failure"))  # the first cause stays
+    record_outage(str(tmp_path), outage_message(AFDPeerLostError("AFD peer lost: ffn rank 0 silent for 5.0s")))
+    record_outage(str(tmp_path), outage_message(AFDPeerLostError("a later failure")))  # the first cause stays
     notice = read_outage(str(tmp_path))
     clear_outage(str(tmp_path))
     clear_outage(str(tmp_path))  # idempotent
@@ -64,7 +64,7 @@ def test_the_attention_veto_answers_503_with_the_notice_while_it_exists(tmp_path
     monkeypatch.setenv(METRICS_DIR_ENV, str(tmp_path))
 
     serving = plugin._veto_during_outage(object())  # noqa: SLF001
-    record_outage(str(tmp_path), AFDPeerLostError("AFD peer lost: f2a receive from ffn rank 0 failed"))
+    record_outage(str(tmp_path), outage_message(AFDPeerLostError("AFD peer lost: f2a receive from ffn rank 0 failed")))
     refused = plugin._veto_during_outage(object())  # noqa: SLF001
 
     assert serving is None

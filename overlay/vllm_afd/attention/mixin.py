@@ -6,7 +6,8 @@ An override that starts to copy upstream code is a missing seam; add a patch ins
 Lifecycle: `__init__` builds the connector (no communication) and registers the
 forward-context hook; `load_model` loads the attention half natively, then rendezvouses, so a
 missing or mismatched FFN fails the server at start-up; `shutdown` runs the native shutdown,
-then unhooks and closes the connector even if that raised.
+then unhooks and closes the connector even if that raised.  A lost FFN later is healed where the
+config allows it (`recover_after_fault`, attention/healing.py).
 """
 
 from __future__ import annotations
@@ -15,8 +16,10 @@ from typing import Any
 
 from vllm.forward_context import ForwardContext, register_forward_context_hook
 
+from vllm_afd.attention.healing import AttentionHealer
 from vllm_afd.config import AFDConfig
 from vllm_afd.connect import build_connector
+from vllm_afd.metrics import metrics_dir
 from vllm_afd.models.proxy import (
     SIDECAR_KEY,
     ForwardSidecar,
@@ -26,6 +29,7 @@ from vllm_afd.models.proxy import (
 )
 from vllm_afd.telemetry import Telemetry
 from vllm_afd.wire.placement import Placement
+from vllm_afd.wire.watchdog import terminate_process
 
 
 class AFDAttentionRunnerMixin:
@@ -41,8 +45,12 @@ class AFDAttentionRunnerMixin:
         self._afd_handle: int | None = None
         self._afd_in_profile = False
         self._afd_telemetry: Telemetry | None = None
-        self.afd_connector = build_connector(vllm_config, afd_config, placement, self.device)
+        self._afd_healer: AttentionHealer | None = None
+        self.afd_connector = build_connector(vllm_config, afd_config, placement, self.device,
+                                             terminate=self._afd_unobserved_failure)
         try:
+            if self.afd_connector.can_reform:
+                self._afd_healer = AttentionHealer(self.afd_connector, afd_config.reform_timeout_s, metrics_dir())
             self._afd_telemetry = Telemetry(afd_config, placement, self.afd_connector)
             self._afd_handle = register_connector(self.afd_connector)
             self._afd_unhook = register_forward_context_hook(self._install_afd_sidecar)
@@ -80,6 +88,22 @@ class AFDAttentionRunnerMixin:
         self.afd_connector.close()
         if self._afd_telemetry is not None:
             self._afd_telemetry.close()
+
+    # ---- healing (attention/healing.py) --------------------------------------------------
+    def recover_after_fault(self) -> None:
+        """vLLM's fault-tolerance retry (patch ``worker-sentinel-add-runner-recovery``): pair again
+        with the FFN, or raise to end the retry (the engine stops, as without fault tolerance)."""
+        if self._afd_healer is None:
+            raise RuntimeError("AFD attention: this server does not heal a lost FFN (reform_timeout_s=0, or "
+                               "its config hook found a blocker, logged at start-up); restart it")
+        self._afd_healer.heal()
+
+    def _afd_unobserved_failure(self, cause: BaseException) -> None:
+        """The connector's fallback for a failure no step observed: re-form, or end the process."""
+        if self._afd_healer is not None:
+            self._afd_healer.start(cause)
+        else:
+            terminate_process(cause)
 
     # ---- check points ---------------------------------------------------------------
     def execute_model(self, *args: Any, **kwargs: Any) -> Any:

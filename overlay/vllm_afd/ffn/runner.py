@@ -11,7 +11,6 @@ the layer's native MLP/MoE block and sends the result back.
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import torch
@@ -24,9 +23,10 @@ from vllm_afd.connect import build_connector
 from vllm_afd.ffn.graphs import FFNGraphCache, graph_key, run_mode
 from vllm_afd.telemetry import Telemetry
 from vllm_afd.validation import graph_mode
-from vllm_afd.wire.errors import AFDConfigMismatchError, AFDLayoutError, AFDProtocolError, AFDRendezvousTimeout
+from vllm_afd.wire.errors import AFDProtocolError
 from vllm_afd.wire.messages import ControlPayload
 from vllm_afd.wire.placement import Placement
+from vllm_afd.wire.reforming import pair_again
 
 logger = init_logger(__name__)
 
@@ -127,33 +127,12 @@ class AFDFFNModelRunner:
         """
         if not self.connector.can_reform:
             raise cause
-        label = self.connector.placement.label
-        started = time.monotonic()
-        deadline = started + self.reform_timeout_s
-        logger.warning("AFD %s: lost the attention (%s); waiting up to %g s for it to return and pair again "
-                       "(reform_timeout_s)", label, cause, self.reform_timeout_s)
         if self.graphs is not None:
             self.graphs.clear()
         self._missing_graphs.clear()
-        while True:
-            try:
-                self.connector.reform(max(deadline - time.monotonic(), 0.1))
-                break
-            except (AFDConfigMismatchError, AFDLayoutError) as exc:
-                logger.error("AFD %s: refused a returning attention: %s; still waiting", label, exc)
-            except AFDRendezvousTimeout as exc:
-                raise AFDRendezvousTimeout(
-                    f"AFD {label}: the attention did not return within reform_timeout_s="
-                    f"{self.reform_timeout_s:g} after {cause}; this FFN exits. Restart the attention "
-                    "within reform_timeout_s, or raise it") from exc
-            if time.monotonic() >= deadline:
-                raise AFDRendezvousTimeout(
-                    f"AFD {label}: no attention with an agreeing handshake returned within reform_timeout_s="
-                    f"{self.reform_timeout_s:g}; this FFN exits. Start the attention with the FFN's model "
-                    "and AFD settings")
-        logger.info("AFD %s: paired again with attention ranks %s after %.1f s (re-formation %d)", label,
-                    list(self.connector.placement.attention_peers), time.monotonic() - started,
-                    self.connector.reformations)
+        pair_again(self.connector, self.reform_timeout_s, cause, peer="the attention",
+                   then="this FFN exits. Restart the attention with the FFN's model and AFD settings within "
+                        "reform_timeout_s, or raise it")
 
     def next_step(self) -> ControlPayload | None:
         """The next step's payload, adopted by the connector; None once shutdown closed it.

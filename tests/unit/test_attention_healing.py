@@ -1,0 +1,241 @@
+"""A healing attention (vllm_afd/attention/healing.py, docs/connection.md#healing-attention): the real
+connectors over gloo on loopback, built from a config-only tiny Qwen3-MoE; the FFN "dies" by closing its
+connector, "returns" as a new one on the same port."""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm")
+sys.path.insert(0, str(Path(__file__).parents[1] / "connectors"))
+from _harness import free_port  # noqa: E402
+from _vllm_configs import make_vllm_config  # noqa: E402
+
+from vllm_afd.attention.healing import AttentionHealer  # noqa: E402
+from vllm_afd.config import parse_afd_config  # noqa: E402
+from vllm_afd.outage import OUTAGE_FILE, read_outage  # noqa: E402
+from vllm_afd.wire.errors import AFDPeerLostError, AFDRendezvousTimeout  # noqa: E402
+
+FAST = {"connector": "P2pGlooAFDConnector", "rendezvous_timeout_s": 20, "peer_timeout_s": 2}
+
+
+def wait_for(predicate, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return predicate()
+
+
+def build(model_dir, role: str, port: int, *, heals: bool = True, terminate=None, **afd):
+    import torch
+
+    from vllm_afd.connect import build_connector
+    from vllm_afd.wire.placement import Placement
+
+    vllm_config = make_vllm_config(model_dir, role=role, port=port, **FAST, **afd)
+    vllm_config.parallel_config.enable_fault_tolerance = heals and role == "attention"
+    kwargs = {} if terminate is None else {"terminate": terminate}
+    return build_connector(vllm_config, parse_afd_config(vllm_config), Placement(role, 0, 1, 1), torch.device("cpu"),
+                           **kwargs)
+
+
+def pair(*connectors) -> None:
+    threads = [threading.Thread(target=c.init) for c in connectors]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert all(c.is_initialized for c in connectors)
+
+
+class HealingAttention:
+    """An attention connector whose unobserved failures start its healer, as the runner mixin wires it."""
+
+    def __init__(self, model_dir, port: int, notice_dir: Path, reform_timeout_s: float, terminated: list):
+        self.connector = build(model_dir, "attention", port, terminate=lambda cause: self.healer.start(cause),
+                               reform_timeout_s=reform_timeout_s)
+        self.healer = AttentionHealer(self.connector, reform_timeout_s, str(notice_dir), terminate=terminated.append)
+
+
+@pytest.fixture
+def notice_dir(tmp_path, monkeypatch):
+    from vllm_afd.metrics import METRICS_DIR_ENV, PROMETHEUS_DIR_ENV
+
+    monkeypatch.delenv(PROMETHEUS_DIR_ENV, raising=False)
+    monkeypatch.setenv(METRICS_DIR_ENV, str(tmp_path))
+    return tmp_path
+
+
+def test_only_an_attention_whose_engine_runs_fault_tolerant_can_re_form(model_dir):
+    port = free_port()
+    healing, plain = build(model_dir, "attention", port), build(model_dir, "attention", port, heals=False)
+    off = build(model_dir, "attention", port, reform_timeout_s=0)
+    try:
+        assert healing.can_reform and not plain.can_reform and not off.can_reform
+    finally:
+        for connector in (healing, plain, off):
+            connector.close()
+
+
+def test_an_idle_attention_re_forms_with_a_restarted_ffn_and_admits_requests_again(model_dir, notice_dir):
+    port = free_port()
+    terminated: list[BaseException] = []
+    attention = HealingAttention(model_dir, port, notice_dir, 30, terminated)
+    first_ffn = build(model_dir, "ffn", port, reform_timeout_s=0)
+    pair(attention.connector, first_ffn)
+    second_ffn = build(model_dir, "ffn", port, reform_timeout_s=0)
+    try:
+        first_ffn.close()  # the FFN dies while no step runs: nobody observes the failure
+        assert wait_for(lambda: read_outage(str(notice_dir)) is not None, 15)
+        notice = read_outage(str(notice_dir))
+        assert notice.startswith("AFD attention server unavailable: its FFN peer was lost (")
+        assert "re-forming: this server serves again once the FFN is back and paired (waiting up to " \
+               "reform_timeout_s=30 s)" in notice
+
+        second_ffn.init(30)  # the FFN's supervisor restarted it
+
+        assert wait_for(lambda: attention.healer.heals == 1, 30)
+        assert attention.connector.is_initialized and attention.connector.reformations == 1
+        assert read_outage(str(notice_dir)) is None and terminated == []
+        attention.healer.heal()  # a retry after the fact finds it paired and returns at once
+    finally:
+        attention.connector.close()
+        second_ffn.close()
+
+
+def test_a_step_that_saw_the_loss_waits_in_heal_until_the_ffn_is_back(model_dir, notice_dir):
+    port = free_port()
+    terminated: list[BaseException] = []
+    attention = HealingAttention(model_dir, port, notice_dir, 30, terminated)
+    first_ffn = build(model_dir, "ffn", port, reform_timeout_s=0)
+    pair(attention.connector, first_ffn)
+    second_ffn = build(model_dir, "ffn", port, reform_timeout_s=0)
+    returned = threading.Timer(3.0, second_ffn.init, args=(30,))
+    try:
+        first_ffn.close()
+        assert wait_for(lambda: attention.connector.failure is not None, 15)
+        with pytest.raises(AFDPeerLostError):
+            attention.connector.check_failed()  # the step observes it: vLLM's retry follows
+        returned.start()
+
+        attention.healer.heal()
+
+        assert attention.connector.is_initialized and terminated == []
+        assert read_outage(str(notice_dir)) is None
+    finally:
+        returned.cancel()
+        attention.connector.close()
+        second_ffn.close()
+
+
+def test_an_ffn_that_does_not_return_ends_the_retry_with_a_restart_notice(model_dir, notice_dir):
+    port = free_port()
+    terminated: list[BaseException] = []
+    attention = HealingAttention(model_dir, port, notice_dir, 2, terminated)
+    ffn = build(model_dir, "ffn", port, reform_timeout_s=0)
+    pair(attention.connector, ffn)
+    try:
+        ffn.close()
+        assert wait_for(lambda: attention.connector.failure is not None, 15)
+        with pytest.raises(AFDPeerLostError):
+            attention.connector.check_failed()
+
+        with pytest.raises(AFDRendezvousTimeout) as info:
+            attention.healer.heal()
+
+        message = str(info.value)
+        assert message.startswith("AFD attention rank 0: the FFN did not return with an agreeing handshake within "
+                                  "reform_timeout_s=2 after AFD peer lost")
+        assert message.endswith("this attention server stops serving. Restart the FFN with the attention's model "
+                                "and AFD settings, then restart this attention server")
+        assert terminated == []  # the retry reports it: the engine stops
+        assert read_outage(str(notice_dir)).startswith(
+            "AFD attention server unavailable: its engine stopped after an AFD failure (AFD attention rank 0: the FFN "
+            "did not return")
+    finally:
+        attention.connector.close()
+
+
+def test_an_idle_attention_whose_ffn_does_not_return_ends_its_process(model_dir, notice_dir):
+    port = free_port()
+    terminated: list[BaseException] = []
+    attention = HealingAttention(model_dir, port, notice_dir, 1, terminated)
+    ffn = build(model_dir, "ffn", port, reform_timeout_s=0)
+    pair(attention.connector, ffn)
+    try:
+        ffn.close()
+        # NOTE: /health would keep answering 200 for an engine that never failed a step; ending the process
+        # makes the supervisor's liveness probe see it (docs/operations.md).
+        assert wait_for(lambda: len(terminated) == 1, 30), terminated
+        assert isinstance(terminated[0], AFDRendezvousTimeout)
+        assert (notice_dir / OUTAGE_FILE).exists()
+    finally:
+        attention.connector.close()
+
+
+# ---- the config hook turns vLLM's fault tolerance on; the engine's responder retries AFD failures ----------
+
+def attention_config(model_dir, *, data_parallel=(1, 0), **afd):
+    return make_vllm_config(model_dir, data_parallel=data_parallel, role="attention", **FAST, **afd)
+
+
+def test_the_hook_turns_fault_tolerance_on_for_an_attention_that_can_heal(model_dir):
+    from vllm_afd import plugin
+
+    config = attention_config(model_dir)
+    plugin.enable_attention_healing(config, parse_afd_config(config))
+
+    assert config.parallel_config.enable_fault_tolerance
+    # any other fault ends the engine at once, as without fault tolerance
+    assert config.parallel_config.fault_tolerance_config.engine_recovery_timeout_sec == 0
+
+
+@pytest.mark.parametrize("afd, data_parallel, blocker", [
+    ({"reform_timeout_s": 0}, (1, 0), "reform_timeout_s is 0"),
+    ({}, (2, 0), "attention DP 2 runs in one vllm serve, whose internal DP load balancer vLLM's fault tolerance "
+                 "refuses; start one vllm serve per DP rank to heal"),
+], ids=["reform-off", "internal-dp"])
+def test_an_attention_that_cannot_heal_keeps_fault_tolerance_off_and_says_why(model_dir, caplog, afd, data_parallel,
+                                                                               blocker):
+    from vllm_afd import plugin
+    from vllm_afd.validation import healing_blocker
+
+    config = attention_config(model_dir, data_parallel=data_parallel, **afd)
+    with caplog.at_level("INFO", logger="vllm_afd"):
+        plugin.enable_attention_healing(config, parse_afd_config(config))
+
+    assert healing_blocker(config, parse_afd_config(config)) == blocker
+    assert not config.parallel_config.enable_fault_tolerance
+    plugin._logged.clear()  # noqa: SLF001 - the next test logs again
+
+
+def test_cuda_graphs_block_healing(model_dir):
+    from vllm.config import CUDAGraphMode
+
+    from vllm_afd.validation import healing_blocker
+
+    config = attention_config(model_dir)
+    config.model_config.enforce_eager = False
+    config.compilation_config.cudagraph_mode = CUDAGraphMode.FULL_DECODE_ONLY
+
+    assert healing_blocker(config, parse_afd_config(config)) == (
+        "its CUDA graphs hold the old pairing's buffers; run the attention eager to heal")
+
+
+def test_the_engines_responder_retries_only_while_an_afd_outage_notice_exists(notice_dir):
+    from vllm_afd import plugin
+    from vllm_afd.outage import healing_message, record_outage
+
+    assert plugin.retry_after_afd_outage(RuntimeError("Worker failed with error 'x'")) is None  # not ours
+
+    record_outage(str(notice_dir), healing_message(AFDPeerLostError("AFD peer lost: x"), 30))
+    answer = plugin.retry_after_afd_outage(RuntimeError("Worker failed with error 'AFD peer lost: x'"))
+
+    assert (answer.instruction, answer.params) == ("retry", {})
