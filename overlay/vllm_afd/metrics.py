@@ -314,7 +314,7 @@ class AFDMetrics:
     def _flush(self) -> None:
         connector = self._connector
         if connector is not None:
-            self._set_peer_state(connector.is_initialized, connector.failure is not None)
+            self._set_peer_state(connector.is_initialized, connector.failure is not None or connector.reforming)
             if connector.rendezvous_s is not None and connector.rendezvous_s != self._rendezvous_written:
                 self._set_rendezvous_seconds(connector.rendezvous_s)
             reformations = connector.reformations

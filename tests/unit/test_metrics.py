@@ -57,13 +57,14 @@ def labels(role: str = "attention", rank: int = 0, **extra: str) -> frozenset:
 
 
 class FakeConnector:
-    """The connector surface the metrics read: steps.payload, is_initialized, failure, rendezvous_s,
-    reformations."""
+    """The connector surface the metrics read: steps.payload, is_initialized, failure, reforming,
+    rendezvous_s, reformations."""
 
     def __init__(self) -> None:
         self.steps = SimpleNamespace(payload=None)
         self.is_initialized = False
         self.failure: BaseException | None = None
+        self.reforming = False
         self.rendezvous_s: float | None = None
         self.reformations = 0
 
@@ -159,7 +160,8 @@ def test_peer_state_and_rendezvous_follow_the_connector_and_end_down(tmp_path):
     state = []
 
     for change in ({}, {"is_initialized": True, "rendezvous_s": 1.5}, {"is_initialized": False, "failure": OSError()},
-                   {"is_initialized": True, "failure": None, "rendezvous_s": 7.0, "reformations": 1}):
+                   {"failure": None, "reforming": True},
+                   {"is_initialized": True, "reforming": False, "rendezvous_s": 7.0, "reformations": 1}):
         vars(connector).update(change)
         metrics.flush()
         got = samples(tmp_path)
@@ -169,8 +171,9 @@ def test_peer_state_and_rendezvous_follow_the_connector_and_end_down(tmp_path):
     connector.is_initialized = False  # the runner closes its connector before its metrics
     metrics.close()
 
-    # A re-formation (docs/connection.md#re-forming) brings the peer back up with a new rendezvous time.
-    assert state == [(0, 0, None, None), (1, 0, 1.5, None), (0, 1, 1.5, None), (1, 0, 7.0, 1)]
+    # A re-formation (docs/connection.md#re-forming) keeps the peer lost while it waits (its fresh failure latch
+    # holds nothing yet), then brings it back up with a new rendezvous time.
+    assert state == [(0, 0, None, None), (1, 0, 1.5, None), (0, 1, 1.5, None), (0, 1, 1.5, None), (1, 0, 7.0, 1)]
     assert samples(tmp_path)[("afd_peer_up", labels("ffn"))] == 0
 
 

@@ -132,6 +132,8 @@ class AFDConnector:
         self.rendezvous_s: float | None = None
         # Pairings completed by reform() since construction (the first init() is not one).
         self.reformations = 0
+        # True while reform() runs: the lost peer counts as lost until it pairs again (metrics).
+        self.reforming = False
         # FFN rank 0: how long init() retries binding the store's port (0 at start-up: a busy port is an
         # error at once; REBIND_S in a re-formation, while the previous store closes).
         self._rebind_s = 0.0
@@ -223,6 +225,14 @@ class AFDConnector:
         peer lose the store and re-form too. Step state, receive buffers and the timeline start anew;
         the failure is forgotten once the new pairing is ready. Raises what ``init()`` raises.
         """
+        s = self.spec
+        self.reforming = True
+        try:
+            self._reform(timeout_s)
+        finally:
+            self.reforming = False
+
+    def _reform(self, timeout_s: float) -> None:
         s = self.spec
         with self._lock:
             if self._closed or self._new_transport is None:
