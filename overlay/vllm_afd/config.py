@@ -229,8 +229,8 @@ class AFDConfig:
     step_timeout_s: float = 120.0
     # A peer whose heartbeat is unchanged this long, in seconds, is lost.
     peer_timeout_s: float = 5.0
-    # FFN: after losing its attention peers, wait this long, in seconds, for them to return and pair
-    # again (docs/connection.md#re-forming); 0 = exit on a lost peer instead.
+    # After losing the peer, wait this long, in seconds, for it to return and pair again: the FFN re-forms,
+    # an eager attention heals (docs/connection.md#re-forming, #healing-attention); 0 = end on a lost peer.
     reform_timeout_s: float = 600.0
     # Directory each rank appends its per-step timeline to (docs/timeline.md); "" = no timeline files.
     timeline_dir: str = ""
@@ -373,8 +373,8 @@ def _check_values(values: Mapping[str, Any], *, async_dp: bool, expected_role: s
     reform = values["reform_timeout_s"]
     if not (math.isfinite(reform) and reform >= 0):
         raise ValueError(
-            f"reform_timeout_s must be finite and >= 0, got {reform!r}; pass the seconds an FFN waits for its "
-            "attention to return after a loss, or 0 to exit instead"
+            f"reform_timeout_s must be finite and >= 0, got {reform!r}; pass the seconds a role waits for its "
+            "peer to return after a loss, or 0 to end instead"
         )
     check_p2p_extra_config(connector, values["connector_extra_config"])
 

@@ -492,8 +492,8 @@ class AFDConnector:
             return RuntimeError(f"{self.spec.name}: {what} interrupted by close() ({exc})")
         lost = AFDPeerLostError(
             f"AFD peer lost: {what} failed on {self.placement.label} ({exc}); the peer process died or "
-            "closed its connections. Check the other role's log; a restarted attention pairs with a waiting "
-            "FFN (docs/operations.md)"
+            "closed its connections. Check the other role's log; restart the lost role: the other waits for it "
+            "(reform_timeout_s, docs/operations.md)"
         )
         return self._latch.fail(lost, observed=True)
 
