@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 
 import vllm_afd
 from vllm_afd import config as config_module
-from vllm_afd.config import (ALIASES, CONNECTORS, GRAPH_FIELDS, IMPLEMENTED_NUM_STAGES, NUM_STAGES, ROLES, RUNTIME_ONLY_FIELDS, AFDConfig,
-                             check_p2p_extra_config, get_additional_config, has_afd_config, is_afd_active,
+from vllm_afd.config import (ALIASES, CONNECTORS, GRAPH_FIELDS, IMPLEMENTED_NUM_STAGES, NUM_STAGES, ROLES,
+                             RUNTIME_ONLY_FIELDS, AFDConfig, check_p2p_extra_config, get_additional_config, has_afd_config, is_afd_active,
                              parse_afd_config, require_afd_config)
 
 CAM_MESSAGE = ("is an Ascend CAM connector and is not supported; use 'P2pNcclAFDConnector' (CUDA, across hosts), "
