@@ -31,6 +31,8 @@ __all__ = [
     "CONNECTOR_HINT",
     "FIELD_NAMES",
     "GRAPH_FIELDS",
+    "IMPLEMENTED_NUM_STAGES",
+    "NUM_STAGES",
     "ROLES",
     "RUNTIME_ONLY_FIELDS",
     "check_p2p_extra_config",
@@ -78,7 +80,14 @@ RUNTIME_ONLY_FIELDS = {
 
 # Fields whose values change what the compiled model graph contains
 # (docs/failures.md#3-torchcompile-guard-dropping).
-GRAPH_FIELDS = ("role", "connector", "num_attention_ranks", "num_ffn_ranks", "compute_gate_on_attention")
+GRAPH_FIELDS = (
+    "role", "connector", "num_attention_ranks", "num_ffn_ranks", "compute_gate_on_attention", "num_stages",
+)
+
+# Micro-batch stages per step a config may name (docs/pingpong.md), and those that run today.
+NUM_STAGES = (1, 2, 3)
+# NOTE: lifting the refusal of the ping-pong is this one line: IMPLEMENTED_NUM_STAGES = NUM_STAGES.
+IMPLEMENTED_NUM_STAGES = (1,)
 
 _TRUE_WORDS = frozenset({"1", "true", "yes", "on"})
 _FALSE_WORDS = frozenset({"0", "false", "no", "off"})
@@ -192,6 +201,7 @@ _COERCERS: dict[str, Callable[[str, Any], Any]] = {
     "num_attention_ranks": _coerce_int,
     "num_ffn_ranks": _coerce_int,
     "compute_gate_on_attention": _coerce_bool,
+    "num_stages": _coerce_int,
     "async_dp": _coerce_bool,
     "connector_extra_config": _coerce_mapping,
     "rendezvous_timeout_s": _coerce_seconds,
@@ -221,6 +231,9 @@ class AFDConfig:
     num_ffn_ranks: int = 1
     # False: the FFN runs router and experts and every layer crosses; True: only MoE layers cross.
     compute_gate_on_attention: bool = False
+    # Micro-batches per step (1, 2 or 3): the attention computes stage k+1 while the FFN computes stage k
+    # (docs/pingpong.md); equal on both roles (the handshake compares it). Only 1 runs today.
+    num_stages: int = 1
     # Options of the selected connector, parsed by it; must be empty for both of ours.
     connector_extra_config: Mapping[Any, Any] = field(default_factory=_FrozenMapping, hash=False)
     # Bound on rendezvous plus handshake, in seconds.
@@ -358,6 +371,7 @@ def _check_values(values: Mapping[str, Any], *, async_dp: bool, expected_role: s
             f"{connector} requires num_attention_ranks >= num_ffn_ranks, got {num_attention_ranks} < "
             f"{num_ffn_ranks}; every FFN rank needs at least one attention peer"
         )
+    _check_num_stages(values["num_stages"])
     if not values["host"].strip():
         raise ValueError(
             f"AFD host must be non-empty, got {values['host']!r}; set \"host\" to FFN rank 0's address"
@@ -377,6 +391,21 @@ def _check_values(values: Mapping[str, Any], *, async_dp: bool, expected_role: s
             "peer to return after a loss, or 0 to end instead"
         )
     check_p2p_extra_config(connector, values["connector_extra_config"])
+
+
+def _check_num_stages(num_stages: int) -> None:
+    """Validation step 10a (docs/config.md#validation-order): a known stage count, and one that runs."""
+    if num_stages not in NUM_STAGES:
+        raise ValueError(
+            f"num_stages must be one of {NUM_STAGES}, got {num_stages}; set the micro-batches per step "
+            "to 1 (no ping-pong), 2 or 3 on both roles"
+        )
+    if num_stages not in IMPLEMENTED_NUM_STAGES:
+        raise ValueError(
+            f"num_stages={num_stages}: the micro-batch ping-pong is not implemented yet (docs/pingpong.md, "
+            f"issue 13); supported now: {', '.join(map(str, IMPLEMENTED_NUM_STAGES))}. Remove num_stages or "
+            "set it to 1 on both roles"
+        )
 
 
 def check_p2p_extra_config(connector: str, raw: Any) -> Mapping[Any, Any]:

@@ -127,8 +127,9 @@ def check_features(vllm_config: VllmConfig, afd: AFDConfig, platform: str) -> No
         )
     if parallel.enable_dbo or parallel.ubatch_size > 1:
         raise ValueError(
-            "AFD does not support dual-batch overlap / microbatching yet; remove "
-            "--enable-dbo / ubatch settings."
+            "AFD does not support vLLM's dual-batch overlap / microbatching (--enable-dbo, --ubatch-size); "
+            "remove them. AFD's own micro-batches are additional_config[\"afd\"][\"num_stages\"] "
+            "(docs/pingpong.md)."
         )
     _require_size_one("pipeline_parallel_size", parallel.pipeline_parallel_size)
     _require_size_one("prefill_context_parallel_size", parallel.prefill_context_parallel_size)

@@ -15,8 +15,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import vllm_afd
-from vllm_afd.config import (ALIASES, CONNECTORS, GRAPH_FIELDS, ROLES, RUNTIME_ONLY_FIELDS, AFDConfig,
-                             check_p2p_extra_config, get_additional_config, has_afd_config, is_afd_active,
+from vllm_afd import config as config_module
+from vllm_afd.config import (ALIASES, CONNECTORS, GRAPH_FIELDS, IMPLEMENTED_NUM_STAGES, NUM_STAGES, ROLES,
+                             RUNTIME_ONLY_FIELDS, AFDConfig, check_p2p_extra_config, get_additional_config, has_afd_config, is_afd_active,
                              parse_afd_config, require_afd_config)
 
 CAM_MESSAGE = ("is an Ascend CAM connector and is not supported; use 'P2pNcclAFDConnector' (CUDA, across hosts), "
@@ -26,6 +27,8 @@ ASYNC_MESSAGE = ("AFD async mode requires connector='CAMAsyncAFDConnector', whic
 UNKNOWN = "unknown AFD config field {!r}; connector-specific values belong under connector_extra_config"
 UNKNOWN_CONNECTOR = ("AFD connector must be one of ('P2pNcclAFDConnector', 'P2pGlooAFDConnector', "
                      "'P2pIpcAFDConnector')")
+STAGES_NOT_YET = ("num_stages={}: the micro-batch ping-pong is not implemented yet (docs/pingpong.md, issue 13); "
+                  "supported now: 1. Remove num_stages or set it to 1 on both roles")
 DUPLICATE_PORT = "duplicate AFD config field for 'port' (given as 'afd_port' and 'port')"
 
 # id -> (afd mapping, text the message must contain); one table per exception type.
@@ -40,6 +43,8 @@ BAD_TYPES = {
     "int-float-string": ({"num_ffn_ranks": "1.5"}, "num_ffn_ranks must be an integer, got '1.5'"),
     "int-none": ({"port": None}, "port must be an integer, got None"),
     "int-decimal": ({"port": Decimal("1.5")}, "port must be an integer, got Decimal('1.5')"),
+    "stages-bool": ({"num_stages": True}, "num_stages must be an integer, got True"),
+    "stages-float": ({"num_stages": 2.5}, "num_stages must be an integer, got 2.5"),
     "seconds-bool": ({"step_timeout_s": True}, "step_timeout_s must be a number of seconds, got True"),
     "seconds-word": ({"peer_timeout_s": "soon"}, "peer_timeout_s must be a number of seconds, got 'soon'"),
     "seconds-list": ({"rendezvous_timeout_s": [1]}, "rendezvous_timeout_s must be a number of seconds, got [1]"),
@@ -74,6 +79,10 @@ BAD_VALUES = {
                         "P2pNcclAFDConnector requires num_attention_ranks >= num_ffn_ranks, got 1 < 2"),
     "fewer-attention-gloo": ({"connector": "P2pGlooAFDConnector", "num_attention_ranks": 2, "num_ffn_ranks": 3},
                              "P2pGlooAFDConnector requires num_attention_ranks >= num_ffn_ranks, got 2 < 3"),
+    "stages-zero": ({"num_stages": 0}, "num_stages must be one of (1, 2, 3), got 0; set the micro-batches per"),
+    "stages-four": ({"num_stages": "4"}, "num_stages must be one of (1, 2, 3), got 4"),
+    "stages-two-not-yet": ({"num_stages": 2}, STAGES_NOT_YET.format(2)),
+    "stages-three-not-yet": ({"num_stages": "3"}, STAGES_NOT_YET.format(3)),
     "host-empty": ({"host": ""}, "AFD host must be non-empty"),
     "host-blank": ({"afd_host": "  \t"}, "AFD host must be non-empty"),
     "port-zero": ({"port": 0}, "AFD port must be in 1..65535, got 0"),
@@ -154,7 +163,8 @@ def test_unknown_field_message_lists_the_valid_fields_and_a_close_match():
 def test_defaults_match_the_spec_table():
     assert AFDConfig.from_mapping({}).to_mapping() == dict(
         role="attention", connector="P2pNcclAFDConnector", host="127.0.0.1", port=1239, num_attention_ranks=1,
-        num_ffn_ranks=1, compute_gate_on_attention=False, connector_extra_config={}, rendezvous_timeout_s=300.0,
+        num_ffn_ranks=1, compute_gate_on_attention=False, num_stages=1, connector_extra_config={},
+        rendezvous_timeout_s=300.0,
         step_timeout_s=120.0, peer_timeout_s=5.0, reform_timeout_s=600.0, timeline_dir="",
     )
 
@@ -339,6 +349,7 @@ def afd_mappings(draw):
         "num_attention_ranks": num_attention_ranks,
         "num_ffn_ranks": draw(st.integers(1, num_attention_ranks)),
         "compute_gate_on_attention": draw(st.booleans()),
+        "num_stages": draw(st.sampled_from(IMPLEMENTED_NUM_STAGES)),
         "connector_extra_config": {},
         "rendezvous_timeout_s": draw(_seconds),
         "step_timeout_s": draw(_seconds),
@@ -395,6 +406,28 @@ def test_each_field_moves_the_hash_iff_it_affects_graphs(name, value, changes_gr
     changed = AFDConfig.from_mapping({**base, name: value}).compute_hash()
 
     assert (changed != AFDConfig.from_mapping(base).compute_hash()) is changes_graph
+
+
+def test_num_stages_is_a_graph_field_and_one_stage_is_the_default():
+    assert "num_stages" in GRAPH_FIELDS
+    assert AFDConfig.from_mapping({}).num_stages == 1 == AFDConfig().num_stages
+
+
+@pytest.mark.parametrize("num_stages", [2, 3])
+def test_lifting_the_stage_refusal_is_one_line(monkeypatch, num_stages):
+    """Issue 13: once the ping-pong runs, IMPLEMENTED_NUM_STAGES = NUM_STAGES accepts 2 and 3 everywhere."""
+    monkeypatch.setattr(config_module, "IMPLEMENTED_NUM_STAGES", NUM_STAGES)
+
+    config = AFDConfig.from_mapping({"num_stages": str(num_stages)})
+
+    assert config.num_stages == num_stages == AFDConfig(num_stages=num_stages).validate().num_stages
+    assert AFDConfig.from_mapping(config.to_mapping()) == config
+    assert config.compute_hash() != AFDConfig().compute_hash()
+
+
+def test_a_directly_built_config_refuses_stages_that_do_not_run_yet():
+    with pytest.raises(ValueError, match=r"num_stages=2: the micro-batch ping-pong is not implemented yet"):
+        AFDConfig(num_stages=2)
 
 
 def test_config_module_imports_without_torch_or_vllm():

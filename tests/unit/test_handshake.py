@@ -59,11 +59,12 @@ def test_for_rank_fills_role_and_rank_facts_from_the_placement():
     fingerprint = Fingerprint.for_rank(placement, connector="P2pNcclAFDConnector", compute_gate_on_attention=True,
                                        device="cpu", **MODEL_FACTS)
 
-    assert fingerprint.protocol_version == PROTOCOL_VERSION == 3
+    assert fingerprint.protocol_version == PROTOCOL_VERSION == 4
     assert (fingerprint.role, fingerprint.role_rank, fingerprint.label) == ("ffn", 1, "ffn rank 1")
     assert (fingerprint.num_attention_ranks, fingerprint.num_ffn_ranks) == (4, 2)
     assert (fingerprint.dp_size, fingerprint.tp_size) == (2, 1)
     assert fingerprint.compute_gate_on_attention and fingerprint.connector == "P2pNcclAFDConnector"
+    assert fingerprint.num_stages == 1  # the default: no micro-batch ping-pong
     assert (fingerprint.hostname, fingerprint.pid) == (socket.gethostname(), os.getpid())
 
 
@@ -113,7 +114,7 @@ _OTHER_VALUES = {
     "protocol_version": 1, "overlay_version": "0.2.0", "vllm_version": "0.31.0",
     "architecture": "DeepseekV2ForCausalLM", "hidden_size": 1024, "num_hidden_layers": 3, "dtype": "float16",
     "layer_kinds": "DDMM", "num_routed_experts": 16, "connector": "P2pGlooAFDConnector",
-    "num_attention_ranks": 2, "num_ffn_ranks": 2, "compute_gate_on_attention": True,
+    "num_attention_ranks": 2, "num_ffn_ranks": 2, "compute_gate_on_attention": True, "num_stages": 2,
     "graph_mode": "FULL_DECODE_ONLY", "config_digest": "sha256:c1c1c1c1c1c1c1c1",
     "weights_digest": "sha256:fedcba9876543210",
 }
@@ -183,7 +184,7 @@ def test_layout_is_not_checked_without_the_other_role():
     compare_fingerprints(prints[0], prints)
 
 
-@pytest.mark.parametrize("version", [1, 2, 4])
+@pytest.mark.parametrize("version", [1, 2, 3, 5])
 def test_peer_of_another_protocol_version_is_a_mismatch_even_if_unreadable(version):
     body = json.loads(fingerprints()[0].to_json())
     body.update(protocol_version=version, hidden_size=None)
@@ -193,7 +194,7 @@ def test_peer_of_another_protocol_version_is_a_mismatch_even_if_unreadable(versi
         Fingerprint.from_json(json.dumps(body))
 
     assert str(info.value) == (
-        f"AFD configuration mismatch between this rank and ffn rank 0: protocol_version (local=3, peer={version}). "
+        f"AFD configuration mismatch between this rank and ffn rank 0: protocol_version (local=4, peer={version}). "
         "Run the same vllm_afd version on every rank"
     )
 
@@ -205,8 +206,41 @@ def test_a_readable_peer_of_protocol_1_fails_the_comparison_on_both_sides():
 
     for local, peer in ((attention, old), (old, attention)):
         with pytest.raises(AFDConfigMismatchError,
-                           match=r"protocol_version \((attention=3, ffn=1|ffn=1, attention=3)\)"):
+                           match=r"protocol_version \((attention=4, ffn=1|ffn=1, attention=4)\)"):
             compare_fingerprints(local, [peer])
+
+
+# (attention DP x TP, FFN DP x TP) of valid deployments (A >= F).
+_LAYOUTS = [((1, 1), (1, 1)), ((2, 1), (1, 1)), ((1, 2), (1, 2)), ((2, 1), (2, 1)), ((3, 1), (1, 1))]
+
+
+@given(st.sampled_from(_LAYOUTS), st.integers(1, 3), st.integers(1, 3), st.data())
+def test_num_stages_must_be_equal_on_every_rank(layout, attention_stages, ffn_stages, data):
+    """Issue 13: a deployment whose roles split steps into different stage counts fails on every rank,
+    naming both values, before any data channel exists."""
+    prints = [dataclasses.replace(fp, num_stages=attention_stages if fp.role == "attention" else ffn_stages)
+              for fp in fingerprints(*layout)]
+    local = data.draw(st.sampled_from(prints))
+
+    if attention_stages == ffn_stages:
+        compare_fingerprints(local, prints)
+        return
+    with pytest.raises(AFDConfigMismatchError) as info:
+        compare_fingerprints(local, prints)
+
+    own, other = (attention_stages, ffn_stages) if local.role == "attention" else (ffn_stages, attention_stages)
+    peer_role = "ffn" if local.role == "attention" else "attention"
+    assert f"num_stages ({local.role}={own}, {peer_role}={other})" in str(info.value)
+
+
+def test_for_rank_carries_num_stages():
+    placement = Placement("attention", 0, 1, 1)
+
+    fingerprint = Fingerprint.for_rank(placement, connector="c", compute_gate_on_attention=False, num_stages=3,
+                                       device="cpu", **MODEL_FACTS)
+
+    assert fingerprint.num_stages == 3
+    assert Fingerprint.from_json(fingerprint.to_json()).num_stages == 3
 
 
 @pytest.mark.parametrize("text", ["", "not json", "[]", f'{{"protocol_version": {PROTOCOL_VERSION}}}',

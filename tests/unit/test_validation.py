@@ -160,7 +160,8 @@ def test_dual_batch_overlap_and_microbatching_are_refused(cpu_config, field, val
         check_features(config, afd, "cpu")
 
     assert str(info.value) == (
-        "AFD does not support dual-batch overlap / microbatching yet; remove --enable-dbo / ubatch settings.")
+        "AFD does not support vLLM's dual-batch overlap / microbatching (--enable-dbo, --ubatch-size); remove "
+        'them. AFD\'s own micro-batches are additional_config["afd"]["num_stages"] (docs/pingpong.md).')
 
 
 @pytest.mark.parametrize("field", ["pipeline_parallel_size", "prefill_context_parallel_size",

@@ -34,7 +34,8 @@ __all__ = [
 # Bumped on any change of what crosses the wire (payload codec, exchange order, fingerprint fields).
 # 2: the control payload carries one row count per attention rank (was: per attention DP rank).
 # 3: the fingerprint carries the checkpoint's config and weights digests (and its path, for messages).
-PROTOCOL_VERSION = 3
+# 4: the fingerprint carries num_stages (micro-batches per step, docs/pingpong.md).
+PROTOCOL_VERSION = 4
 
 # Compared across all ranks, in report order.
 GLOBAL_FIELDS = (
@@ -51,6 +52,7 @@ GLOBAL_FIELDS = (
     "num_attention_ranks",
     "num_ffn_ranks",
     "compute_gate_on_attention",
+    "num_stages",
     "graph_mode",
     "config_digest",
     "weights_digest",
@@ -98,6 +100,8 @@ class Fingerprint:
     num_ffn_ranks: int
     # Gate placement: router on the attention side when True.
     compute_gate_on_attention: bool
+    # Micro-batches per step (AFDConfig.num_stages); both roles size their stage buffers and graphs by it.
+    num_stages: int = 1
     # "eager" or "FULL_DECODE_ONLY".
     graph_mode: str
     # "sha256:<hex>" of the checkpoint's config.json content, or "unknown (<why>)" (then not compared).
@@ -150,6 +154,7 @@ class Fingerprint:
         *,
         connector: str,
         compute_gate_on_attention: bool,
+        num_stages: int = 1,
         hostname: str | None = None,
         pid: int | None = None,
         **model_facts: Any,
@@ -166,6 +171,7 @@ class Fingerprint:
             num_attention_ranks=placement.num_attention_ranks,
             num_ffn_ranks=placement.num_ffn_ranks,
             compute_gate_on_attention=compute_gate_on_attention,
+            num_stages=num_stages,
             role=placement.role,
             role_rank=placement.role_rank,
             dp_size=placement.dp_size,
