@@ -223,8 +223,9 @@ def removed_expressions(patch: _series.Patch) -> set[str]:
 
 
 def second_copies(patch: _series.Patch, files: Iterable[tuple[str, bytes]], release: str) -> list[Finding]:
-    """Unfenced copies, anywhere in the release, of an expression a pin-fix patch removes."""
-    if patch.first("Category") != "pin-fix":
+    """Unfenced copies, anywhere in the release, of an expression a pin-fix patch removes; none for a
+    fix whose header says, in `Local-Fix`, why the removed text is a bug only where it patches it."""
+    if patch.first("Category") != "pin-fix" or patch.first("Local-Fix").strip():
         return []
     exprs = removed_expressions(patch)
     findings = []
