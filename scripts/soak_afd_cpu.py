@@ -5,8 +5,8 @@ Runs a plain-vLLM baseline first (the expected greedy tokens), then an FFN + att
 deployment (one core each) under `--clients` threads of the soak driver
 (tests/harness/afd_harness/soak.py), injecting `--faults` in order, spread over the first
 half of the run: `attention` = SIGKILL the attention and restart it (the FFN must keep its pid
-and re-form); `ffn` = SIGKILL the FFN, restart it, then restart the attention (the operator
-procedure, docs/failures.md).  Prints and writes (--out X.json and X.md) requests by outcome,
+and re-form); `ffn` = SIGKILL the FFN and restart it (the attention must keep its pid and heal,
+docs/connection.md#healing-attention).  Prints and writes (--out X.json and X.md) requests by outcome,
 each fault's time to serve again, and RSS growth per 100 requests after the last fault.
 Exit code 1 if any request ended wrongly.  Results: docs/soak.md.
 
@@ -43,10 +43,11 @@ def markdown(digest: dict, command: str) -> str:
     lines = [f"`{command}`", "", f"{digest['requests']} requests in {digest['duration_s']} s:", "",
              "| outcome | requests |", "|---|---|"]
     lines += [f"| {name} | {count} |" for name, count in digest["outcomes"].items()]
-    lines += ["", "| fault | at (s) | serving again after (s) | attention start-up (s) | FFN pid kept | "
-              "FFN re-formations |", "|---|---|---|---|---|---|"]
-    lines += [f"| {f['role']} | {f['at_s']:.0f} | {f['serving_again_s']:.1f} | {f['attention_startup_s']:.1f} "
-              f"| {f['ffn_pid_kept']} | {f['ffn_reformations'] if f['ffn_reformations'] is not None else '–'} |" for f in digest["faults"]]
+    lines += ["", "| fault | at (s) | serving again after (s) | restarted role's start-up (s) | FFN pid kept | "
+              "attention pid kept | FFN re-formations |", "|---|---|---|---|---|---|---|"]
+    lines += [f"| {f['role']} | {f['at_s']:.0f} | {f['serving_again_s']:.1f} | {f['restarted_startup_s']:.1f} "
+              f"| {f['ffn_pid_kept']} | {f['attention_pid_kept']} "
+              f"| {f['ffn_reformations'] if f['ffn_reformations'] is not None else '–'} |" for f in digest["faults"]]
     lines += ["", f"RSS (MB) of each role's process group; window from {digest['memory_window_start_s']} s "
               "(after the last fault) to the end:", "",
               "| role | first sample | last sample | window start | window end | growth | requests | "

@@ -15,8 +15,7 @@ if importlib.util.find_spec("afd_harness") is None:
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "harness"))
 
 from afd_harness.soak import (  # noqa: E402
-    KINDS, OK_OUTCOMES, Attempt, classify, choose_kind, group_rss_mb, memory_growth,
-    parse_stream_line,
+    KINDS, OK_OUTCOMES, Attempt, Chunk, classify, choose_kind, group_rss_mb, memory_growth, parse_stream_line,
 )
 
 EXPECTED = [[1, 2, 3], [4, 5]]
@@ -77,7 +76,7 @@ attempts = st.builds(
     status=st.none() | st.sampled_from([200, 400, 500, 503]), message=st.text(max_size=40),
     token_ids=st.none() | st.lists(st.integers(0, 6), max_size=4).map(tuple),
     error=st.sampled_from(["", "connection", "timeout", "stream_error"]),
-    done=st.booleans(), aborted=st.booleans(),
+    done=st.booleans(), aborted=st.booleans(), finish_reason=st.sampled_from(["", "stop", "length", "abort"]),
 )
 
 
@@ -85,7 +84,7 @@ attempts = st.builds(
 def test_every_attempt_gets_exactly_one_named_outcome(a):
     outcome = classify(a, EXPECTED, DOWN)
 
-    failures = {"wrong_tokens", "stream_incomplete", "connection_while_up", "timeout"}
+    failures = {"wrong_tokens", "stream_incomplete", "connection_while_up", "timeout", "aborted_while_up"}
     assert outcome in OK_OUTCOMES or outcome in failures or outcome.startswith("http_")
     if outcome == "completed":
         assert list(a.token_ids) == EXPECTED[a.prompt_index] and not a.error
@@ -124,8 +123,22 @@ def test_the_request_mix_only_draws_the_known_kinds(seed):
     assert {choose_kind(random.Random(seed), (0, 0, 1)) for _ in range(5)} == {"abort"}
 
 
+@given(st.floats(0, 40), st.floats(0, 5), st.sampled_from(["plain", "stream"]))
+@example(9.0, 1.0, "plain")  # the FFN died at 10.0, while it was in the engine
+def test_an_engine_abort_is_clear_exactly_for_a_request_in_flight_at_the_ffns_death(start, length, kind):
+    ended_by_fault = attempt(kind=kind, status=200, token_ids=(1,), done=kind == "stream", finish_reason="abort",
+                             started=start, ended=start + length)
+
+    outcome = classify(ended_by_fault, EXPECTED, DOWN, ffn_deaths=[10.0])
+
+    in_flight = start < 10.0 <= start + length
+    assert outcome == ("ended_by_fault" if in_flight else "aborted_while_up")
+
+
 def test_stream_lines_parse_into_chunks_errors_and_done():
-    assert parse_stream_line('data: {"choices": [{"token_ids": [7, 8]}]}') == ("chunk", [7, 8])
+    assert parse_stream_line('data: {"choices": [{"token_ids": [7, 8]}]}') == ("chunk", Chunk([7, 8], ""))
+    assert parse_stream_line('data: {"choices": [{"token_ids": [], "finish_reason": "abort"}]}') == (
+        "chunk", Chunk([], "abort"))
     assert parse_stream_line('data: {"error": {"message": "boom", "code": 500}}') == ("error", "boom")
     assert parse_stream_line("data: [DONE]") == ("done", None)
     assert parse_stream_line("") == ("skip", None)

@@ -38,8 +38,8 @@ KINDS = ("plain", "stream", "abort")  # non-streamed, streamed to the end, close
 # vLLM's one message for every request inside an engine that died (no seam on that path: docs/failures.md).
 ENGINE_DEAD_PREFIX = "EngineCore encountered an issue"
 OK_OUTCOMES = ("completed", "aborted", "unavailable_503", "stream_error", "refused_while_down",
-               "engine_died_in_flight")
-# failures: wrong_tokens, http_<status>, stream_incomplete, connection_while_up, timeout
+               "engine_died_in_flight", "ended_by_fault")
+# failures: wrong_tokens, http_<status>, stream_incomplete, connection_while_up, timeout, aborted_while_up
 
 
 class Attempt(NamedTuple):
@@ -55,20 +55,29 @@ class Attempt(NamedTuple):
     error: str = ""  # "connection", "timeout", "stream_error" or "" (none)
     done: bool = False  # a stream ended with [DONE]
     aborted: bool = False  # the client closed the stream after a few chunks
+    finish_reason: str = ""  # the last finish_reason the server sent ("" if none)
+
+
+class Chunk(NamedTuple):
+    """The part of one streamed completion chunk the soak reads."""
+
+    token_ids: list[int]
+    finish_reason: str  # "" until the last chunk
 
 
 class Fault(NamedTuple):
     at_s: float  # seconds after the soak started
-    role: str  # "attention" (kill + restart) or "ffn" (kill, restart FFN, restart attention)
+    role: str  # "attention" (kill + restart) or "ffn" (kill + restart the FFN; the attention heals)
 
 
 class FaultRecord(NamedTuple):
     role: str
     at_s: float  # when the kill began, seconds after the soak started
-    serving_again_s: float  # kill to the attention's /health 200 again
-    attention_startup_s: float  # the restarted attention: spawn to healthy
+    serving_again_s: float  # kill to the attention serving again
+    restarted_startup_s: float  # the restarted role: spawn to healthy
     ffn_pid_kept: bool  # the FFN process survived (expected for an attention fault)
     ffn_reformations: float | None  # the FFN's afd_reformations_total afterwards (None: not on /metrics)
+    attention_pid_kept: bool  # the attention process survived (expected for an FFN fault: it healed)
 
 
 class MemorySample(NamedTuple):
@@ -136,9 +145,12 @@ def classify(attempt: Attempt, expected: Sequence[Sequence[int]],
              down: Sequence[tuple[float, float]], ffn_deaths: Sequence[float] = ()) -> str:
     """The outcome of one attempt: one of OK_OUTCOMES, else the name of the failure.
 
-    vLLM's generic engine-dead 500 is accepted only for a request already inside the engine when
-    the FFN died (`ffn_deaths`, monotonic); a request that arrives after it must get the AFD 503.
+    vLLM's generic engine-dead 500, and a healing attention's abort (finish_reason "abort", vLLM's
+    fault tolerance ending the engine's requests), are accepted only for a request already inside
+    the engine when the FFN died (`ffn_deaths`, monotonic); one that arrives after it must get the
+    AFD 503.
     """
+    in_flight = any(attempt.started < death <= attempt.ended for death in ffn_deaths)
     if attempt.error == "timeout":
         return "timeout"
     if attempt.error == "connection":
@@ -150,12 +162,13 @@ def classify(attempt: Attempt, expected: Sequence[Sequence[int]],
     if attempt.status is not None and attempt.status != 200:
         if attempt.status == 503 and attempt.message.startswith(UNAVAILABLE_PREFIX):
             return "unavailable_503"
-        in_flight = any(attempt.started < death <= attempt.ended for death in ffn_deaths)
         if attempt.status == 500 and attempt.message.startswith(ENGINE_DEAD_PREFIX) and in_flight:
             return "engine_died_in_flight"
         return f"http_{attempt.status}"
     if attempt.aborted:
         return "aborted"
+    if attempt.finish_reason == "abort":
+        return "ended_by_fault" if in_flight else "aborted_while_up"
     if attempt.kind == "stream" and not attempt.done:
         return "stream_incomplete"
     if attempt.token_ids is None or list(attempt.token_ids) != list(expected[attempt.prompt_index]):
@@ -185,7 +198,7 @@ def choose_kind(rng: random.Random, weights: Sequence[float]) -> str:
 
 
 def parse_stream_line(line: str) -> tuple[str, Any]:
-    """One SSE line: ("done", None), ("error", message), ("chunk", token ids or None), ("skip", None)."""
+    """One SSE line: ("done", None), ("error", message), ("chunk", Chunk), ("skip", None)."""
     if not line.startswith("data: "):
         return "skip", None
     data = line[len("data: "):]
@@ -196,9 +209,11 @@ def parse_stream_line(line: str) -> tuple[str, Any]:
         error = payload["error"]
         return "error", error.get("message", str(error)) if isinstance(error, dict) else str(error)
     ids: list[int] = []
+    finish = ""
     for choice in payload.get("choices", []):
         ids += choice.get("token_ids") or []
-    return "chunk", ids
+        finish = choice.get("finish_reason") or finish
+    return "chunk", Chunk(ids, finish)
 
 
 def error_message(text: str) -> str:
@@ -247,8 +262,9 @@ def send(base_url: str, model: str, kind: str, prompt_index: int, plan: SoakPlan
             if response.status_code != 200:
                 result["message"] = error_message(response.text)
             elif kind == "plain":
-                payload = response.json()
-                result["token_ids"] = tuple(payload["choices"][0].get("token_ids") or ())
+                choice = response.json()["choices"][0]
+                result["token_ids"] = tuple(choice.get("token_ids") or ())
+                result["finish_reason"] = choice.get("finish_reason") or ""
             else:
                 result.update(_read_stream(response, kind, plan.abort_after_chunks, deadline))
     except requests.Timeout as exc:
@@ -262,14 +278,16 @@ def send(base_url: str, model: str, kind: str, prompt_index: int, plan: SoakPlan
 def _read_stream(response, kind: str, abort_after: int, deadline: float) -> dict[str, Any]:
     ids: list[int] = []
     chunks = 0
+    finish = ""
     for line in response.iter_lines(decode_unicode=True):
         what, value = parse_stream_line(line or "")
         if what == "error":
             return {"error": "stream_error", "message": value, "token_ids": tuple(ids)}
         if what == "done":
-            return {"done": True, "token_ids": tuple(ids)}
+            return {"done": True, "token_ids": tuple(ids), "finish_reason": finish}
         if what == "chunk":
-            ids += value
+            ids += value.token_ids
+            finish = value.finish_reason or finish
             chunks += 1
             if kind == "abort" and chunks >= abort_after:
                 return {"aborted": True, "token_ids": tuple(ids)}  # leaving `with` closes it
@@ -333,39 +351,46 @@ def _ffn_reformations(afd) -> float:
 
 def inject(afd, role: str, t0: float, down: list[tuple[float, float]], ffn_deaths: list[float],
            log: Callable[[str], None]) -> FaultRecord:
-    """One fault and its recovery; appends the attention-down window to `down` (open until healthy)
-    and, for an FFN fault, the moment of the FFN's death to `ffn_deaths`."""
+    """One fault and its recovery.  An attention fault: kill it and restart it; the attention-down
+    window goes to `down` (open until healthy).  An FFN fault: kill it, let the clients meet the
+    outage, restart it; the attention heals without a restart (docs/connection.md#healing-attention);
+    the moment of the FFN's death goes to `ffn_deaths`."""
     from afd_harness.metrics import scrape, wait_for
 
-    ffn_pid = afd.ffn.process.pid
+    ffn_pid, attention_pid = afd.ffn.process.pid, afd.attention.process.pid
     killed = time.monotonic()
     if role == "ffn":
         ffn_deaths.append(time.monotonic())
         afd.ffn.kill()
-        # The attention's engine stops; its API server answers 503 until it is restarted.
-        wait_for(lambda: _health(afd.attention.base_url) == 503, 60.0)
+        # The attention answers 503 (its outage notice) while it waits for the FFN.
+        wait_for(lambda: _generation_status(afd) == 503, 60.0)
         time.sleep(3.0)  # let the clients meet the outage
         log("soak: FFN killed; attention answers 503; restarting the FFN")
         afd.ffn.start()
-    down.append((time.monotonic(), float("inf")))
-    afd.attention.kill()
-    if role == "attention":
+        wait_for(lambda: _generation_status(afd) == 200, 120.0)
+    else:
+        down.append((time.monotonic(), float("inf")))
+        afd.attention.kill()
         wait_for(lambda: scrape(afd.ffn.base_url).get(("afd_peer_up", "ffn")) == 0.0, 30.0)
-    afd.attention.start()
-    down[-1] = (down[-1][0], time.monotonic())
-    record = FaultRecord(role, killed - t0, time.monotonic() - killed, afd.attention.startup_s or 0.0,
+        afd.attention.start()
+        down[-1] = (down[-1][0], time.monotonic())
+    restarted = afd.attention if role == "attention" else afd.ffn
+    record = FaultRecord(role, killed - t0, time.monotonic() - killed, restarted.startup_s or 0.0,
                          afd.ffn.process.pid == ffn_pid and afd.ffn.process.poll() is None,
-                         _ffn_reformations(afd))
+                         _ffn_reformations(afd), afd.attention.process.pid == attention_pid)
     log(f"soak: {role} fault at {record.at_s:.0f} s: serving again after {record.serving_again_s:.1f} s "
-        f"(FFN pid kept: {record.ffn_pid_kept}, FFN re-formations {record.ffn_reformations})")
+        f"(FFN pid kept: {record.ffn_pid_kept}, attention pid kept: {record.attention_pid_kept}, "
+        f"FFN re-formations {record.ffn_reformations})")
     return record
 
 
-def _health(base_url: str) -> int | None:
+def _generation_status(afd) -> int | None:
+    """The HTTP status of a one-token completion on the attention (503 while it heals)."""
     import requests
 
     try:
-        return requests.get(f"{base_url}/health", timeout=5).status_code
+        return requests.post(f"{afd.attention.base_url}/v1/completions", timeout=30,
+                             json={"model": str(afd.model), "prompt": PROMPTS[0], "max_tokens": 1}).status_code
     except requests.RequestException:
         return None
 
