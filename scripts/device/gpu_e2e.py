@@ -143,7 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    if {"pristine", "tokens", "bench", "hooks"} & set(args.phases) and "models" not in args.phases:
+    if {"pristine", "tokens", "bench", "hooks", "heal"} & set(args.phases) and "models" not in args.phases:
         args.phases = report.parse_phases(",".join(["models", *args.phases]))  # cheap: reuses built models
     if args.platform == "cpu":  # a smoke run of this script: nothing that needs CUDA
         args.variants = [v for v in args.variants if v not in CUDA_ONLY]
@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     phase_fns: dict[str, Callable[[Run], dict[str, Any]]] = {
         "models": phases.phase_models, "pristine": phases.phase_pristine, "patch": phases.phase_patch,
         "rtt": phases.phase_rtt, "ipcfloor": phases.phase_ipcfloor, "hooks": phases.phase_hooks,
-        "gputests": phases.phase_gputests}
+        "gputests": phases.phase_gputests, "heal": phases.phase_heal}
     code = 0
     try:
         phases.reap_leftovers(run)

@@ -382,6 +382,95 @@ def phase_hooks(run: Run) -> dict[str, Any]:
             "error": None if ok else done["tail"][-1500:]}
 
 
+HEAL_VARIANTS = ("plain_eager", "afd_eager", "afd_ipc_eager", "afd_ipc_graphs")
+
+
+def phase_heal(run: Run) -> dict[str, Any]:
+    """An FFN killed and restarted under the same attention, per AFD variant (docs/connection.md#healing-attention):
+    an eager attention heals (same pid, 503 with the re-forming notice meanwhile, plain tokens after); one with CUDA
+    graphs cannot (validation.healing_blocker) and says so in its 503."""
+    from afd_harness.server import complete_batch
+
+    arch = run.args.models[0]
+    model = run.models[arch]
+    args = run.args
+    settings = serving.ServeSettings(
+        platform=args.platform, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+        gpu_mem_util=args.gpu_mem_util, kv_cache_bytes=args.kv_cache_bytes, graph_compile=args.graph_compile,
+        rendezvous_timeout_s=max(60.0, args.startup_timeout_s - 30), extra_args=tuple(model.get("serve_args", ())))
+    variants = [v for v in HEAL_VARIANTS if args.platform == "cuda" or v not in serving.CUDA_ONLY_VARIANTS]
+    ports = {v: _free_port() for v in variants if v in serving.AFD_VARIANTS}
+    specs = serving.server_specs(variants, settings, afd_port=ports)
+    servers, infos = serving.start_servers(specs, Path(model["path"]), base_env=run.env(), logs_dir=run.logs_dir,
+                                           prefix="heal", launcher=args.launcher,
+                                           startup_timeout_s=max(30.0, min(args.startup_timeout_s, run.time_left() - 60)),
+                                           on_spawn=run.register_server)
+    run.summary["servers"]["heal"] = infos
+    prompts = list(report.TEXT_PROMPTS)
+
+    def tokens(url: str) -> list[list[int]]:
+        return [g.token_ids for g in complete_batch(url, prompts, args.token_max_tokens,
+                                                    timeout_s=args.request_timeout_s, ignore_eos=True)]
+
+    result: dict[str, Any] = {"model": arch, "variants": {}}
+    try:
+        plain = tokens(servers["plain_eager"].base_url)
+        for variant in variants[1:]:
+            prefix = serving.AFD_VARIANTS[variant][2]
+            attention, ffn = servers[f"{prefix}_attention"], servers[f"{prefix}_ffn"]
+            if run.time_left() < 150 or infos[f"{prefix}_attention"]["status"] != "up":
+                result["variants"][variant] = {"skipped": f"{run.time_left():.0f} s left or not up"}
+                continue
+            result["variants"][variant] = _guarded(
+                lambda attention=attention, ffn=ffn: _heal_once(attention, ffn, plain, tokens, run))
+    finally:
+        serving.stop_servers(servers, infos)
+    healed = [v for v, r in result["variants"].items() if isinstance(r, dict) and r.get("tokens_equal_plain")]
+    eager = {v for v in variants if v in serving.AFD_VARIANTS and not serving.AFD_VARIANTS[v][1]}
+    result["status"] = "ok" if eager <= set(healed) else "failed"
+    return result
+
+
+def _heal_once(attention: Any, ffn: Any, plain: list[list[int]], tokens: Callable[[str], list[list[int]]],
+               run: Run) -> dict[str, Any]:
+    url = attention.base_url
+    record: dict[str, Any] = {"tokens_before_equal_plain": tokens(url) == plain}
+    pid = attention.process.pid
+    killed = time.monotonic()
+    ffn.kill()
+    status, message = _wait_status(url, {503}, 60.0)
+    record.update(outage_status=status, outage_message=message[:400], outage_after_s=round(time.monotonic() - killed, 1))
+    ffn.start()
+    ffn_up = time.monotonic()
+    status, message = _wait_status(url, {200}, min(180.0, run.time_left() - 40))
+    record.update(ffn_startup_s=round(ffn.startup_s or 0.0, 1), after_restart_status=status,
+                  serving_again_after_ffn_up_s=round(time.monotonic() - ffn_up, 1),
+                  attention_pid_kept=attention.process.pid == pid and attention.process.poll() is None)
+    if status == 200:
+        record["tokens_equal_plain"] = tokens(url) == plain
+    else:
+        record["after_restart_message"] = message[:400]
+    return record
+
+
+def _wait_status(url: str, wanted: set[int], timeout_s: float) -> tuple[int | None, str]:
+    """Poll a one-token completion until its status is in `wanted`; the last (status, body)."""
+    import requests
+
+    deadline = time.monotonic() + timeout_s
+    status, body = None, ""
+    while True:
+        try:
+            response = requests.post(f"{url}/v1/completions", timeout=30,
+                                     json={"prompt": report.TEXT_PROMPTS[0], "max_tokens": 1, "temperature": 0})
+            status, body = response.status_code, response.text
+        except requests.RequestException as exc:
+            status, body = None, str(exc)
+        if status in wanted or time.monotonic() > deadline:
+            return status, body
+        time.sleep(0.5)
+
+
 def finalize(run: Run) -> None:
     """Cross-phase comparisons: pristine vs patched plain vLLM (tokens and tok/s)."""
     pristine = run.summary["phases"].get("pristine", {})

@@ -141,6 +141,18 @@ def test_config_hooks_run_in_registration_order_and_errors_propagate() -> None:
     assert order == ["first", "broken"]
 
 
+@pytest.fixture(autouse=True)
+def only_this_tests_vetoes():
+    """Hide vetoes other tests' processes-wide setup left (the AFD plugin's FFN veto, installed by its
+    config hook whenever a test builds an FFN VllmConfig), so each test sees only its own."""
+    from vllm.entrypoints.serve.engine import serving
+
+    saved = list(serving._request_vetoes)  # noqa: SLF001 - the registry's own list, restored below
+    serving._request_vetoes.clear()  # noqa: SLF001
+    yield
+    serving._request_vetoes[:] = saved  # noqa: SLF001
+
+
 def check(request) -> ErrorResponse | None:
     # The vetoes run before anything reads `models` or `model_config`.
     serving = BaseServing(models=None, model_config=None)

@@ -176,7 +176,7 @@ def test_reform_timeout_takes_zero_to_disable_and_any_finite_seconds(value):
 
 @pytest.mark.parametrize("value", [-1, float("inf"), float("nan")])
 def test_reform_timeout_refuses_negative_and_infinite_naming_the_key_and_the_fix(value):
-    with pytest.raises(ValueError, match=r"reform_timeout_s must be finite and >= 0.*or 0 to exit instead"):
+    with pytest.raises(ValueError, match=r"reform_timeout_s must be finite and >= 0.*or 0 to end instead"):
         AFDConfig.from_mapping({"reform_timeout_s": value})
 
 

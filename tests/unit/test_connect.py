@@ -163,12 +163,15 @@ def test_build_connector_makes_the_gloo_connector_without_communicating(model_di
     connector.close()
 
 
-@pytest.mark.parametrize(("role", "reform_timeout_s", "can_reform"), [
-    ("ffn", 600, True), ("ffn", 0, False), ("attention", 600, False),  # the attention never re-forms
+@pytest.mark.parametrize(("role", "reform_timeout_s", "fault_tolerant", "can_reform"), [
+    ("ffn", 600, False, True), ("ffn", 0, False, False),
+    # an attention re-forms (heals) only where its config hook turned vLLM's fault tolerance on
+    ("attention", 600, True, True), ("attention", 600, False, False), ("attention", 0, True, False),
 ])
-def test_only_an_ffn_with_a_reform_timeout_gets_a_connector_that_can_re_form(model_dir, role, reform_timeout_s,
-                                                                             can_reform):
+def test_a_connector_can_re_form_where_its_role_waits_for_a_lost_peer(model_dir, role, reform_timeout_s,
+                                                                      fault_tolerant, can_reform):
     vllm_config = make_vllm_config(model_dir, role=role, reform_timeout_s=reform_timeout_s, **GLOO)
+    vllm_config.parallel_config.enable_fault_tolerance = fault_tolerant
 
     connector = build_connector(vllm_config, parse_afd_config(vllm_config), Placement(role, 0, 1, 1),
                                 torch.device("cpu"))
