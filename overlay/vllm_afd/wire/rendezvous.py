@@ -103,8 +103,8 @@ def store_lost_error(address: str, role: str, role_rank: int, exc: BaseException
     return AFDPeerLostError(
         f"AFD peer lost: the rendezvous store at {address} (hosted by ffn rank 0) is unreachable from "
         f"{role} rank {role_rank} ({exc}); expected FFN rank 0 to stay up for the whole AFD run. Check "
-        "FFN rank 0's log: an FFN rank re-forms once it is back, an attention is restarted "
-        "(docs/operations.md)"
+        "FFN rank 0's log and restart it: the other ranks pair with it again once it is back (an attention "
+        "with CUDA graphs is restarted too; docs/operations.md)"
     )
 
 
