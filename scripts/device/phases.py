@@ -433,11 +433,21 @@ def phase_heal(run: Run) -> dict[str, Any]:
 
 def _heal_once(attention: Any, ffn: Any, plain: list[list[int]], tokens: Callable[[str], list[list[int]]],
                run: Run) -> dict[str, Any]:
+    import threading
+
     url = attention.base_url
     record: dict[str, Any] = {"tokens_before_equal_plain": tokens(url) == plain}
     pid = attention.process.pid
+    # NOTE: a long stream is decoding when the FFN dies, so the step observes the loss (vLLM's fault-tolerance
+    # retry path); an idle attention would re-form in the background instead.
+    streams: list[str] = []
+    reader = threading.Thread(target=lambda: streams.append(_stream_end(url)), daemon=True)
+    reader.start()
+    time.sleep(2.0)
     killed = time.monotonic()
     ffn.kill()
+    reader.join(60)
+    record["in_flight_stream_ended"] = streams[0] if streams else "still open after 60 s"
     status, message = _wait_status(url, {503}, 60.0)
     record.update(outage_status=status, outage_message=message[:400], outage_after_s=round(time.monotonic() - killed, 1))
     ffn.start()
@@ -451,6 +461,28 @@ def _heal_once(attention: Any, ffn: Any, plain: list[list[int]], tokens: Callabl
     else:
         record["after_restart_message"] = message[:400]
     return record
+
+
+def _stream_end(url: str) -> str:
+    """How a 2000-token greedy stream ended: its last finish_reason, an error chunk, or a broken connection."""
+    import requests
+
+    finish = "none"
+    try:
+        with requests.post(f"{url}/v1/completions", stream=True, timeout=60,
+                           json={"prompt": report.TEXT_PROMPTS[0], "max_tokens": 2000, "ignore_eos": True,
+                                 "temperature": 0, "stream": True}) as response:
+            for line in response.iter_lines(decode_unicode=True):
+                if not line or not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                payload = json.loads(line[len("data: "):])
+                if "error" in payload:
+                    return f"error: {str(payload['error'])[:200]}"
+                finish = next((c.get("finish_reason") for c in payload.get("choices", []) if c.get("finish_reason")),
+                              finish)
+    except requests.RequestException as exc:
+        return f"connection: {exc}"[:200]
+    return f"finish_reason {finish}"
 
 
 def _wait_status(url: str, wanted: set[int], timeout_s: float) -> tuple[int | None, str]:
