@@ -464,14 +464,16 @@ def _heal_once(attention: Any, ffn: Any, plain: list[list[int]], tokens: Callabl
 
 
 def _stream_end(url: str) -> str:
-    """How a 2000-token greedy stream ended: its last finish_reason, an error chunk, or a broken connection."""
+    """How a long greedy stream ended: its last finish_reason, an error chunk, a refusal or a broken connection."""
     import requests
 
     finish = "none"
     try:
         with requests.post(f"{url}/v1/completions", stream=True, timeout=60,
-                           json={"prompt": report.TEXT_PROMPTS[0], "max_tokens": 2000, "ignore_eos": True,
+                           json={"prompt": report.TEXT_PROMPTS[0], "max_tokens": 900, "ignore_eos": True,
                                  "temperature": 0, "stream": True}) as response:
+            if response.status_code != 200:
+                return f"HTTP {response.status_code}: {response.text[:200]}"
             for line in response.iter_lines(decode_unicode=True):
                 if not line or not line.startswith("data: ") or line == "data: [DONE]":
                     continue
