@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -15,6 +14,7 @@ pytest.importorskip("vllm")
 sys.path.insert(0, str(Path(__file__).parents[1] / "connectors"))
 from _harness import free_port  # noqa: E402
 from _vllm_configs import make_vllm_config  # noqa: E402
+from afd_harness.metrics import wait_for  # noqa: E402
 
 from vllm_afd.attention.healing import AttentionHealer  # noqa: E402
 from vllm_afd.config import parse_afd_config  # noqa: E402
@@ -22,15 +22,6 @@ from vllm_afd.outage import OUTAGE_FILE, read_outage  # noqa: E402
 from vllm_afd.wire.errors import AFDPeerLostError, AFDRendezvousTimeout  # noqa: E402
 
 FAST = {"connector": "P2pGlooAFDConnector", "rendezvous_timeout_s": 20, "peer_timeout_s": 2}
-
-
-def wait_for(predicate, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return predicate()
 
 
 def build(model_dir, role: str, port: int, *, heals: bool = True, terminate=None, **afd):
@@ -56,12 +47,32 @@ def pair(*connectors) -> None:
 
 
 class HealingAttention:
-    """An attention connector whose unobserved failures start its healer, as the runner mixin wires it."""
+    """An attention connector whose unobserved failures start its healer, as the runner mixin wires it;
+    ``terminated`` collects what the healer would end the process with."""
 
-    def __init__(self, model_dir, port: int, notice_dir: Path, reform_timeout_s: float, terminated: list):
+    def __init__(self, model_dir, port: int, notice_dir: Path, reform_timeout_s: float):
+        self.terminated: list[BaseException] = []
         self.connector = build(model_dir, "attention", port, terminate=lambda cause: self.healer.start(cause),
                                reform_timeout_s=reform_timeout_s)
-        self.healer = AttentionHealer(self.connector, reform_timeout_s, str(notice_dir), terminate=terminated.append)
+        self.healer = AttentionHealer(self.connector, reform_timeout_s, str(notice_dir),
+                                      terminate=self.terminated.append)
+
+
+def paired_with_an_ffn(model_dir, notice_dir: Path, reform_timeout_s: float):
+    """A healing attention paired with an FFN (which does not re-form: it plays a process that dies)."""
+    port = free_port()
+    attention = HealingAttention(model_dir, port, notice_dir, reform_timeout_s)
+    ffn = build(model_dir, "ffn", port, reform_timeout_s=0)
+    pair(attention.connector, ffn)
+    return attention, ffn, port
+
+
+def lose(ffn, attention: HealingAttention) -> None:
+    """The FFN dies; a step then observes the failure (vLLM's retry follows)."""
+    ffn.close()
+    assert wait_for(lambda: attention.connector.failure is not None, 15)
+    with pytest.raises(AFDPeerLostError):
+        attention.connector.check_failed()
 
 
 @pytest.fixture
@@ -85,11 +96,7 @@ def test_only_an_attention_whose_engine_runs_fault_tolerant_can_re_form(model_di
 
 
 def test_an_idle_attention_re_forms_with_a_restarted_ffn_and_admits_requests_again(model_dir, notice_dir):
-    port = free_port()
-    terminated: list[BaseException] = []
-    attention = HealingAttention(model_dir, port, notice_dir, 30, terminated)
-    first_ffn = build(model_dir, "ffn", port, reform_timeout_s=0)
-    pair(attention.connector, first_ffn)
+    attention, first_ffn, port = paired_with_an_ffn(model_dir, notice_dir, 30)
     second_ffn = build(model_dir, "ffn", port, reform_timeout_s=0)
     try:
         first_ffn.close()  # the FFN dies while no step runs: nobody observes the failure
@@ -103,7 +110,7 @@ def test_an_idle_attention_re_forms_with_a_restarted_ffn_and_admits_requests_aga
 
         assert wait_for(lambda: attention.healer.heals == 1, 30)
         assert attention.connector.is_initialized and attention.connector.reformations == 1
-        assert read_outage(str(notice_dir)) is None and terminated == []
+        assert read_outage(str(notice_dir)) is None and attention.terminated == []
         attention.healer.heal()  # a retry after the fact finds it paired and returns at once
     finally:
         attention.connector.close()
@@ -111,23 +118,16 @@ def test_an_idle_attention_re_forms_with_a_restarted_ffn_and_admits_requests_aga
 
 
 def test_a_step_that_saw_the_loss_waits_in_heal_until_the_ffn_is_back(model_dir, notice_dir):
-    port = free_port()
-    terminated: list[BaseException] = []
-    attention = HealingAttention(model_dir, port, notice_dir, 30, terminated)
-    first_ffn = build(model_dir, "ffn", port, reform_timeout_s=0)
-    pair(attention.connector, first_ffn)
+    attention, first_ffn, port = paired_with_an_ffn(model_dir, notice_dir, 30)
     second_ffn = build(model_dir, "ffn", port, reform_timeout_s=0)
     returned = threading.Timer(3.0, second_ffn.init, args=(30,))
     try:
-        first_ffn.close()
-        assert wait_for(lambda: attention.connector.failure is not None, 15)
-        with pytest.raises(AFDPeerLostError):
-            attention.connector.check_failed()  # the step observes it: vLLM's retry follows
+        lose(first_ffn, attention)
         returned.start()
 
         attention.healer.heal()
 
-        assert attention.connector.is_initialized and terminated == []
+        assert attention.connector.is_initialized and attention.terminated == []
         assert read_outage(str(notice_dir)) is None
     finally:
         returned.cancel()
@@ -136,16 +136,9 @@ def test_a_step_that_saw_the_loss_waits_in_heal_until_the_ffn_is_back(model_dir,
 
 
 def test_an_ffn_that_does_not_return_ends_the_retry_with_a_restart_notice(model_dir, notice_dir):
-    port = free_port()
-    terminated: list[BaseException] = []
-    attention = HealingAttention(model_dir, port, notice_dir, 2, terminated)
-    ffn = build(model_dir, "ffn", port, reform_timeout_s=0)
-    pair(attention.connector, ffn)
+    attention, ffn, _ = paired_with_an_ffn(model_dir, notice_dir, 2)
     try:
-        ffn.close()
-        assert wait_for(lambda: attention.connector.failure is not None, 15)
-        with pytest.raises(AFDPeerLostError):
-            attention.connector.check_failed()
+        lose(ffn, attention)
 
         with pytest.raises(AFDRendezvousTimeout) as info:
             attention.healer.heal()
@@ -155,7 +148,7 @@ def test_an_ffn_that_does_not_return_ends_the_retry_with_a_restart_notice(model_
                                   "reform_timeout_s=2 after AFD peer lost")
         assert message.endswith("this attention server stops serving. Restart the FFN with the attention's model "
                                 "and AFD settings, then restart this attention server")
-        assert terminated == []  # the retry reports it: the engine stops
+        assert attention.terminated == []  # the retry reports it: the engine stops
         assert read_outage(str(notice_dir)).startswith(
             "AFD attention server unavailable: its engine stopped after an AFD failure (AFD attention rank 0: the FFN "
             "did not return")
@@ -164,17 +157,13 @@ def test_an_ffn_that_does_not_return_ends_the_retry_with_a_restart_notice(model_
 
 
 def test_an_idle_attention_whose_ffn_does_not_return_ends_its_process(model_dir, notice_dir):
-    port = free_port()
-    terminated: list[BaseException] = []
-    attention = HealingAttention(model_dir, port, notice_dir, 1, terminated)
-    ffn = build(model_dir, "ffn", port, reform_timeout_s=0)
-    pair(attention.connector, ffn)
+    attention, ffn, _ = paired_with_an_ffn(model_dir, notice_dir, 1)
     try:
         ffn.close()
         # NOTE: /health would keep answering 200 for an engine that never failed a step; ending the process
         # makes the supervisor's liveness probe see it (docs/operations.md).
-        assert wait_for(lambda: len(terminated) == 1, 30), terminated
-        assert isinstance(terminated[0], AFDRendezvousTimeout)
+        assert wait_for(lambda: len(attention.terminated) == 1, 30), attention.terminated
+        assert isinstance(attention.terminated[0], AFDRendezvousTimeout)
         assert (notice_dir / OUTAGE_FILE).exists()
     finally:
         attention.connector.close()
