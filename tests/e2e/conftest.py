@@ -8,6 +8,10 @@
 * `vllm_server_factory(model_dir, ...)`: starts a `VllmServer` with CPU defaults, the model's
   own serving env (`VLLM_MLA_DISABLE=1` for DeepSeek MHA) and a log under the session's tmp
   dir; every server still running is stopped at the end of the session.
+* `plain_outputs(arch, requests)`: what `requests(base_url)` returns from plain vLLM (the patched
+  build, the overlay plugin loaded, no AFD config) on the tiny `arch`.  One plain server per model
+  and session answers every function in the `PLAIN_REQUESTS` of the session's test modules, then
+  stops, so it never runs beside an AFD deployment and no module starts a baseline of its own.
 """
 
 from __future__ import annotations
@@ -98,6 +102,37 @@ def vllm_server_factory(
     yield start
     for server in servers:
         server.stop()
+
+
+@pytest.fixture(scope="session")
+def plain_outputs(
+    request: pytest.FixtureRequest, tiny_model_dir: Callable[[str], pathlib.Path],
+    vllm_server_factory: Callable[..., object], record_timing: Callable[[str], None],
+) -> Callable[[str, Callable[[str], object]], object]:
+    """`plain_outputs(arch, requests)`: `requests(base_url)` answered by the session's plain server of `arch`."""
+    modules = {item.module: None for item in request.session.items}  # collection order, once each
+    declared = {fn: None for module in modules for fn in getattr(module, "PLAIN_REQUESTS", ())}
+    answers: dict[tuple[str, Callable[[str], object]], object] = {}
+
+    def get(arch: str, requests: Callable[[str], object]) -> object:
+        if requests not in declared:
+            raise ValueError(
+                f"plain_outputs: {requests.__module__}.{requests.__qualname__} is not in its module's "
+                f"PLAIN_REQUESTS; expected one of {[f.__qualname__ for f in declared]}. List it there, "
+                "so the one plain server per model answers it before it stops."
+            )
+        if (arch, requests) not in answers:
+            server = vllm_server_factory(tiny_model_dir(arch), launcher="cli")
+            try:
+                for fn in declared:
+                    answers[(arch, fn)] = fn(server.base_url)
+            finally:
+                server.stop()
+            record_timing(f"plain vLLM baseline {arch}: startup {server.startup_s:.1f} s, "
+                          f"{len(declared)} request sets")
+        return answers[(arch, requests)]
+
+    return get
 
 
 @pytest.fixture(scope="session")
