@@ -8,10 +8,17 @@
 * `vllm_server_factory(model_dir, ...)`: starts a `VllmServer` with CPU defaults, the model's
   own serving env (`VLLM_MLA_DISABLE=1` for DeepSeek MHA) and a log under the session's tmp
   dir; every server still running is stopped at the end of the session.
+* `plain_outputs(arch, requests)`: what `requests(base_url)` returns from plain vLLM (the patched
+  build, the overlay plugin loaded, no AFD config) on the tiny `arch`.  One plain server per model
+  and session answers every function in the `PLAIN_REQUESTS` of the session's test modules, then
+  stops, so it never runs beside an AFD deployment and no module starts a baseline of its own.
+  test_plain_vllm runs first (`pytest_collection_modifyitems`) and tests the same servers live
+  through `plain_outputs.serving(arch)`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import pathlib
@@ -21,7 +28,8 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import pytest
 
-REPO = pathlib.Path(__file__).resolve().parents[2]
+HERE = pathlib.Path(__file__).resolve().parent
+REPO = HERE.parents[1]
 if importlib.util.find_spec("vllm_afd") is None:
     # NOTE: CI installs the package with `pip install -e .`; this only serves a bare checkout.
     sys.path.insert(0, str(REPO / "overlay"))
@@ -98,6 +106,66 @@ def vllm_server_factory(
     yield start
     for server in servers:
         server.stop()
+
+
+class PlainBaseline:
+    """The session's plain vLLM: one server per model, started when first asked, answers every
+    request function in `requests` at once, then stops (or stays up while `serving` holds it)."""
+
+    def __init__(self, requests: Sequence[Callable[[str], object]], start_server: Callable[[str], object],
+                 record_timing: Callable[[str], None]) -> None:
+        self.requests = requests  # every PLAIN_REQUESTS function of the session's modules
+        self.start_server = start_server  # arch -> a started VllmServer
+        self.record_timing = record_timing
+        self.answers: dict[tuple[str, Callable[[str], object]], object] = {}
+
+    def __call__(self, arch: str, requests: Callable[[str], object]) -> object:
+        """`requests(base_url)` as the plain server of `arch` answered it."""
+        if requests not in self.requests:
+            raise ValueError(
+                f"plain_outputs: {requests.__module__}.{requests.__qualname__} is not in its module's "
+                f"PLAIN_REQUESTS; expected one of {[f.__qualname__ for f in self.requests]}. List it "
+                "there, so the one plain server per model answers it before it stops."
+            )
+        if (arch, requests) not in self.answers:
+            with self.serving(arch):
+                pass
+        return self.answers[(arch, requests)]
+
+    @contextlib.contextmanager
+    def serving(self, arch: str) -> Iterator[object]:
+        """The plain server of `arch`, up until the block ends; every request set is answered first."""
+        server = self.start_server(arch)
+        try:
+            for fn in self.requests:
+                self.answers[(arch, fn)] = fn(server.base_url)
+            self.record_timing(f"plain vLLM {arch}: startup {server.startup_s:.1f} s, "
+                               f"{len(self.requests)} baseline request sets answered")
+            yield server
+        finally:
+            server.stop()
+
+
+@pytest.fixture(scope="session")
+def plain_outputs(
+    request: pytest.FixtureRequest, tiny_model_dir: Callable[[str], pathlib.Path],
+    vllm_server_factory: Callable[..., object], record_timing: Callable[[str], None],
+) -> PlainBaseline:
+    """`plain_outputs(arch, requests)`; `plain_outputs.serving(arch)` for tests of plain vLLM itself."""
+    modules = {item.module: None for item in request.session.items}  # collection order, once each
+    requests = {fn: None for module in modules for fn in getattr(module, "PLAIN_REQUESTS", ())}
+    return PlainBaseline(
+        list(requests), lambda arch: vllm_server_factory(tiny_model_dir(arch), launcher="cli"), record_timing
+    )
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """test_plain_vllm first among the e2e tests: its live plain servers answer every baseline."""
+    e2e = [i for i, item in enumerate(items) if item.path.parent == HERE]
+    if e2e:
+        first = [item for item in items if item.path.name == "test_plain_vllm.py"]
+        rest = [item for item in items[e2e[0]:] if item.path.name != "test_plain_vllm.py"]
+        items[e2e[0]:] = first + rest
 
 
 @pytest.fixture(scope="session")

@@ -2,7 +2,9 @@
 
 The baseline is the same patched vLLM without AFD config; greedy tokens must be equal.
 Each deployment costs two server start-ups (~40 s each here), so one deployment per model
-serves several checks, and the order of roles alternates between the two models.
+serves several checks, the last of which kills its FFN, and the order of roles alternates
+between the two models.  The plain tokens come from the session's one plain server per model
+(`plain_outputs`, conftest.py).
 """
 
 from __future__ import annotations
@@ -44,20 +46,16 @@ def arch(request):
     return request.param
 
 
-@pytest.fixture(scope="module")
-def plain_outputs(arch, tiny_model_dir, vllm_python, tmp_path_factory):
-    from afd_harness.server import VllmServer, cpu_server_env
-    from afd_harness.tiny_models import serve_env
-
-    model = tiny_model_dir(arch)
-    log = tmp_path_factory.mktemp(f"plain-{arch}") / "plain.log"
-    with VllmServer(model, python=vllm_python, launcher="cli", log_path=log,
-                    env={**cpu_server_env(omp_cpus="0"), **serve_env(model)}) as server:
-        return greedy_outputs(server.base_url)
+PLAIN_REQUESTS = (greedy_outputs,)  # answered by the session's plain server (conftest.py)
 
 
 @pytest.fixture(scope="module")
-def deployment(arch, tiny_model_dir, vllm_python, tmp_path_factory):
+def plain(arch, plain_outputs):
+    return plain_outputs(arch, greedy_outputs)
+
+
+@pytest.fixture(scope="module")
+def module_deployment(arch, tiny_model_dir, vllm_python, tmp_path_factory):
     from afd_harness.tiny_models import serve_env
 
     log_dir = tmp_path_factory.mktemp(f"afd-{arch}")
@@ -68,10 +66,22 @@ def deployment(arch, tiny_model_dir, vllm_python, tmp_path_factory):
         yield afd
 
 
-def test_afd_tokens_equal_plain_vllm(plain_outputs, deployment):
+@pytest.fixture
+def deployment(module_deployment):
+    """The module's deployment of `arch`, both roles still up (the FFN-kill test ends it: it runs last)."""
+    for server in module_deployment.servers:
+        assert server.is_running(), (
+            f"test_afd_cpu: the {module_deployment.model.name} deployment is down ({server.log_path}); "
+            "expected test_ffn_killed_mid_stream_then_restarted_under_the_same_attention, which ends it, to run "
+            "last on it. Run the module in file order."
+        )
+    return module_deployment
+
+
+def test_afd_tokens_equal_plain_vllm(plain, deployment):
     outputs = greedy_outputs(deployment.attention.base_url)
 
-    assert outputs == plain_outputs
+    assert outputs == plain
 
 
 def test_the_timeline_has_every_crossing_layer_of_both_roles(deployment):
@@ -194,13 +204,8 @@ def test_two_attention_ranks_share_one_ffn(tiny_model_dir, vllm_python, tmp_path
 
 
 @pytest.fixture(scope="module")
-def plain_outputs_qwen(tiny_model_dir, vllm_python, tmp_path_factory):
-    from afd_harness.server import VllmServer, cpu_server_env
-
-    log = tmp_path_factory.mktemp("plain-qwen-tp1") / "plain.log"
-    with VllmServer(tiny_model_dir("qwen3_moe"), python=vllm_python, launcher="cli",
-                    log_path=log, env=cpu_server_env(omp_cpus="0")) as server:
-        return [g.token_ids for g in complete_batch(server.base_url, PROMPTS, MAX_TOKENS)]
+def plain_outputs_qwen(plain_outputs):
+    return plain_outputs("qwen3_moe", greedy_outputs)["batched"]
 
 
 def stream_until_error(base_url: str, model: str, results: list, index: int) -> None:
@@ -223,14 +228,15 @@ def stream_until_error(base_url: str, model: str, results: list, index: int) -> 
         results[index] = ("error", time.monotonic())
 
 
-def test_ffn_killed_mid_stream_then_restarted_under_the_same_attention(tiny_model_dir, vllm_python, tmp_path,
-                                                                      plain_outputs_qwen):
+@pytest.mark.parametrize("arch", ["qwen3_moe"], indirect=True)
+def test_ffn_killed_mid_stream_then_restarted_under_the_same_attention(deployment, plain_outputs_qwen):
     """Healing (docs/connection.md#healing-attention): in-flight requests end at once, new ones get a
     503 naming the cause, and the same attention process serves plain vLLM's tokens again once a
     restarted FFN pairs with it."""
-    model = tiny_model_dir("qwen3_moe")
-    afd = AFDDeployment(model, python=vllm_python, log_dir=tmp_path)
-    with afd:
+    # NOTE: the last test on the module's deployment of its model (file order): it kills the FFN,
+    # and it ends the deployment rather than leave it idle (or broken) beside the next tests.
+    afd, model = deployment, deployment.model
+    try:
         base_url = afd.attention.base_url
         results: list = [None] * 3
         threads = [threading.Thread(target=stream_until_error,
@@ -285,6 +291,8 @@ def test_ffn_killed_mid_stream_then_restarted_under_the_same_attention(tiny_mode
         # The goal of docs/operations.md: serving again within 60 s of the restarted role being up.
         print(f"healing: FFN restart to healthy {afd.ffn.startup_s:.1f} s, then serving again after "
               f"{serving_again_s:.1f} s; attention lost to paired {float(paired.group(1)):.1f} s")
+    finally:
+        afd.stop()
 
     for role, counted in (("attention", "afd_layer_round_trip_seconds_count"), ("ffn", "afd_ffn_compute_seconds_count")):
         before, after = first[role], second[role]

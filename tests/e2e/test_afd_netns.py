@@ -65,15 +65,12 @@ def two_hosts():
     assert not left, f"netns: {left} survived teardown; delete them with `ip netns del` / `ip link del`"
 
 
-@pytest.fixture(scope="module")
-def plain_outputs(tiny_model_dir, vllm_python, tmp_path_factory):
-    from afd_harness.tiny_models import serve_env
+PLAIN_REQUESTS = (greedy_outputs,)  # answered by the session's plain server (conftest.py)
 
-    model = tiny_model_dir(ARCH)
-    log = tmp_path_factory.mktemp("plain-netns") / "plain.log"
-    with VllmServer(model, python=vllm_python, launcher="cli", log_path=log,
-                    env={**cpu_server_env(omp_cpus="0"), **serve_env(model)}) as server:
-        return greedy_outputs(server.base_url)
+
+@pytest.fixture(scope="module")
+def plain(plain_outputs):
+    return plain_outputs(ARCH, greedy_outputs)
 
 
 @pytest.fixture(scope="module")
@@ -105,12 +102,12 @@ def deployment(two_hosts, tiny_model_dir, vllm_python, tmp_path_factory):
                 servers[role].stop()
 
 
-def test_afd_across_namespaces_equals_plain_vllm(two_hosts, plain_outputs, deployment, tiny_model_dir):
+def test_afd_across_namespaces_equals_plain_vllm(two_hosts, plain, deployment, tiny_model_dir):
     before = link_bytes(two_hosts.attention.namespace, PEER_IFNAME)
 
     outputs = greedy_outputs(deployment["attention"].base_url)
 
-    assert outputs == plain_outputs
+    assert outputs == plain
     rx, tx = (after - start for after, start in
               zip(link_bytes(two_hosts.attention.namespace, PEER_IFNAME), before))
     # At least one bf16 row of hidden_size per generated token each way: the activations crossed

