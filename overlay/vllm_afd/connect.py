@@ -185,7 +185,7 @@ def build_connector(
         timeline_clock=timeline_clock(afd_config, device.type),
     )
     factory = TRANSPORTS[afd_config.connector]
-    reform = afd_config.reform_timeout_s > 0 and (afd_config.role == "ffn" or attention_heals(vllm_config))
+    reform = afd_config.reform_timeout_s > 0 and (afd_config.role == "ffn" or attention_heals(vllm_config, afd_config))
     # NOTE: the attention's API server answers 503 from the moment of the failure (outage.py).
     notice = None
     if afd_config.role == "attention":
@@ -194,9 +194,10 @@ def build_connector(
                         new_transport=(lambda: factory(device, spec)) if reform else None, on_failure=notice)
 
 
-def attention_heals(vllm_config: VllmConfig) -> bool:
-    """Whether this attention re-forms after a lost FFN: its config hook turned vLLM's fault tolerance
-    on (validation.healing_blocker found nothing in the way; docs/connection.md#healing-attention)."""
-    from vllm_afd.validation import graph_mode
+def attention_heals(vllm_config: VllmConfig, afd_config: AFDConfig) -> bool:
+    """Whether this attention re-forms after a lost FFN (docs/connection.md#healing-attention): vLLM's fault
+    tolerance is on and nothing blocks healing.  The config hook asked the same question, but before the
+    platform resolved the graph mode, so the worker asks again with the final config."""
+    from vllm_afd.validation import healing_blocker
 
-    return bool(vllm_config.parallel_config.enable_fault_tolerance) and graph_mode(vllm_config) == "eager"
+    return bool(vllm_config.parallel_config.enable_fault_tolerance) and healing_blocker(vllm_config, afd_config) is None

@@ -139,18 +139,10 @@ def enable_attention_healing(vllm_config: VllmConfig, afd: AFDConfig) -> None:
         # at once, as it did without fault tolerance, instead of waiting for an operator's retry.
         parallel.fault_tolerance_config.engine_recovery_timeout_sec = 0
     elif blocker is not None and not parallel.enable_fault_tolerance:
-        _log_once(f"AFD attention: a lost FFN will stop this server, which must then be restarted ({blocker})")
+        from vllm.logger import init_logger
 
-
-_logged: set[str] = set()
-
-
-def _log_once(message: str) -> None:
-    import logging
-
-    if message not in _logged:
-        _logged.add(message)
-        logging.getLogger("vllm_afd").info("%s", message)
+        init_logger(__name__).info_once(
+            "AFD attention: a lost FFN will stop this server, which must then be restarted (%s)", blocker)
 
 
 def retry_after_afd_outage(fault: Exception) -> FaultToleranceRequest | None:
