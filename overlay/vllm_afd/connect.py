@@ -56,7 +56,7 @@ def _ipc(device: torch.device, spec: ConnectorSpec | None = None) -> Transport:
             f"with max_rows to size them (got {spec!r}); build it through vllm_afd.connect.build_connector"
         )
     row_bytes = message_row_bytes(spec.hidden_size, spec.dtype, spec.router_logits_width)
-    return IpcTransport(device, row_bytes=row_bytes, max_rows=spec.max_rows)
+    return IpcTransport(device, row_bytes=row_bytes, max_rows=spec.max_rows, num_stages=spec.num_stages)
 
 
 def timeline_clock(afd_config: AFDConfig, device_type: str) -> str | None:
@@ -183,6 +183,7 @@ def build_connector(
         use_graph_buffers=fingerprint.graph_mode != "eager",
         max_rows=max_exchange_rows(vllm_config),
         timeline_clock=timeline_clock(afd_config, device.type),
+        num_stages=afd_config.num_stages,
     )
     factory = TRANSPORTS[afd_config.connector]
     reform = afd_config.reform_timeout_s > 0 and (afd_config.role == "ffn" or attention_heals(vllm_config, afd_config))

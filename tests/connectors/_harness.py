@@ -26,7 +26,7 @@ import torch
 from vllm_afd.wire.connector import AFDConnector, ConnectorSpec
 from vllm_afd.wire.handshake import Fingerprint
 from vllm_afd.wire.placement import CONTROL, Placement
-from vllm_afd.wire.transport import Transport
+from vllm_afd.wire.transport import DONE, SendHandle, Transport
 from vllm_afd.wire.transports.gloo import GlooTransport
 
 HIDDEN_SIZE = 64
@@ -109,6 +109,10 @@ class QueueTransport(Transport):
 
     def send(self, channel: str, tensor: torch.Tensor, dst: int) -> None:
         self.wire[(channel, self.placement.afd_rank, self._afd(channel, dst))].append(tensor.detach().clone())
+
+    def isend(self, channel: str, tensor: torch.Tensor, dst: int) -> SendHandle:
+        self.send(channel, tensor, dst)  # a clone: complete at once
+        return DONE
 
     def recv(self, channel: str, tensor: torch.Tensor, src: int) -> None:
         pending = self.wire[(channel, self._afd(channel, src), self.placement.afd_rank)]

@@ -6,7 +6,7 @@ It owns the FFN half of the model, the connector and the CUDA-graph cache; the F
 it there, the only place the FFN's step state changes) and hands it to `run_step`. Per step it
 opens one forward context of its own (vLLM's public `create_forward_context` +
 `override_forward_context`) and, layer-major and stage-minor, receives the peers' rows, runs
-the layer's native MLP/MoE block and sends the result back.
+the layer's native MLP/MoE block and issues the result's sends back, waited at the end of the step.
 """
 
 from __future__ import annotations
@@ -196,6 +196,9 @@ class AFDFFNModelRunner:
                     else:
                         output = self.model.compute_ffn_output(batch.hidden_states, layer_idx)
                     self.connector.send_f2a(stage, output)
+            # NOTE: the sends are asynchronous (with k stages a blocking f2a send would idle this FFN until
+            # the attention finished its other stages, docs/pingpong.md#5); their buffers are free after this.
+            self.connector.wait_sends()
         return output
 
     # ---- teardown ---------------------------------------------------------------------

@@ -10,6 +10,13 @@ transport only moves tensors (transport.py). Exchanges are positional, without t
   attention (per layer, per stage)        FFN (per layer, per stage)
     send_a2f(stage, hidden[, logits])       recv_a2f(stage) from every peer, in subgroup order
     recv_f2a(stage, out)                    send_f2a(stage, output) split by the peers' rows
+                                          FFN (end of the step): wait_sends()
+
+Data sends never block on the peer (``Transport.isend``): the attention keeps one pending send per
+stage and waits it in ``recv_f2a`` of that stage (the result lands in the tensor just sent); the FFN
+keeps all of a step's and waits them in ``wait_sends``. Only those waits and the receives block, in
+(layer, stage) order on both sides, which is what makes k stages deadlock-free over rendezvous
+transports (docs/pingpong.md#5-ordering-why-the-receives-cannot-deadlock); the watchdog times them.
 
 Control plane: the attention calls ``publish`` once per step (attention ranks < F transmit, the
 others only adopt); the FFN calls ``next_step``, which receives and adopts the payload — the
@@ -43,7 +50,7 @@ from vllm_afd.wire.timeline import (
     StepRecord,
     Timeline,
 )
-from vllm_afd.wire.transport import Transport
+from vllm_afd.wire.transport import SendHandle, Transport
 from vllm_afd.wire.watchdog import STARTUP_DONE_KEY, FailureLatch, Watchdog, WatchdogSpec, terminate_process
 
 __all__ = ["AFDConnector", "ConnectorSpec"]
@@ -89,6 +96,9 @@ class ConnectorSpec:
     max_rows: int | None = None
     # Which clock stamps the per-exchange timeline (docs/timeline.md): "host", "device", or None (off).
     timeline_clock: str | None = None
+    # Micro-batch stages per step at most (the handshake's num_stages, docs/pingpong.md); a payload with
+    # more is refused, and a preallocating transport sizes its slots by it.
+    num_stages: int = 1
 
 
 class AFDConnector:
@@ -138,6 +148,10 @@ class AFDConnector:
         # error at once; REBIND_S in a re-formation, while the previous store closes).
         self._rebind_s = 0.0
         self._transport_syncs = 0  # transport.host_syncs already counted into the timeline
+        # Attention: the issued a2f sends of each stage, waited by that stage's recv_f2a.
+        self._pending_a2f: dict[int, list[SendHandle]] = {}
+        # FFN: the issued f2a sends of the step, waited by wait_sends().
+        self._pending_f2a: list[SendHandle] = []
 
     # ---- lifecycle ------------------------------------------------------------------------------
 
@@ -245,6 +259,7 @@ class AFDConnector:
         self.transport = self._new_transport()
         self._latch = FailureLatch(self.transport.abort, self._terminate, on_failure=self._on_failure)
         self.steps = StepState(self.placement, s.exchanges_per_stage, s.name)
+        self._pending_a2f, self._pending_f2a = {}, []  # sends of the lost pairing
         self.fingerprints = {}
         self._buffers.clear()
         self._transport_syncs = 0
@@ -339,6 +354,12 @@ class AFDConnector:
         data = torch.empty(num_bytes, dtype=torch.uint8)
         self._call(label, p.role_rank, self.transport.recv, CONTROL, data, src, timed=False)
         payload = ControlPayload.decode(data.numpy().tobytes())
+        if len(payload.stages) > self.spec.num_stages:
+            raise AFDProtocolError(
+                f"{self.spec.name}: control payload step {payload.step_seq} from attention rank {p.role_rank} has "
+                f"{len(payload.stages)} stages {sorted(payload.stages)}; the handshake agreed on num_stages="
+                f"{self.spec.num_stages}. Run the same vllm_afd version and num_stages on both roles"
+            )
         self._adopt(payload)
         return payload
 
@@ -379,10 +400,13 @@ class AFDConnector:
                     f"{hidden.shape[0]}; pass this layer's logits"
                 )
         label = "a2f send to ffn rank"
+        self._wait_sends(self._pending_a2f.pop(stage, []), label, p.subgroup)  # a stage sent twice: misuse, but safe
         self._mark(A2F_SEND_START)
-        self._call(label, p.subgroup, self.transport.send, A2F, hidden.contiguous(), 0)
+        pending = self._pending_a2f[stage] = []
+        pending.append(self._call(label, p.subgroup, self.transport.isend, A2F, hidden.contiguous(), 0, timed=False))
         if router_logits is not None:
-            self._call(label, p.subgroup, self.transport.send, A2F, router_logits.contiguous(), 0)
+            pending.append(self._call(label, p.subgroup, self.transport.isend, A2F, router_logits.contiguous(), 0,
+                                      timed=False))
         self._mark(A2F_SEND_END)
 
     def recv_f2a(self, stage: int, out: torch.Tensor) -> torch.Tensor:
@@ -399,6 +423,8 @@ class AFDConnector:
         fits = (tuple(out.shape) == shape and out.dtype == s.dtype and out.device == s.device
                 and out.is_contiguous())
         target = out if fits else torch.empty(shape, dtype=s.dtype, device=s.device)
+        # NOTE: the result lands in the tensor just sent, so that send must be complete first.
+        self._wait_sends(self._pending_a2f.pop(stage, []), "a2f send to ffn rank", self.placement.subgroup)
         self._call("f2a receive from ffn rank", self.placement.subgroup, self.transport.recv, F2A, target, 0)
         self._mark(F2A_RECV_END)
         self._count_exchange()
@@ -441,9 +467,16 @@ class AFDConnector:
         parts = output.split(list(peer_rows))
         self._mark(F2A_SEND_START)
         for group_rank, (peer, part) in enumerate(zip(p.attention_peers, parts), start=1):
-            self._call("f2a send to attention rank", peer, self.transport.send, F2A, part.contiguous(), group_rank)
+            self._pending_f2a.append(self._call("f2a send to attention rank", peer, self.transport.isend, F2A,
+                                                part.contiguous(), group_rank, timed=False))
         self._mark(F2A_SEND_END)
         self._count_exchange()
+
+    def wait_sends(self) -> None:
+        """FFN, end of a step: wait for every f2a send issued since the last call (its outputs may be reused)."""
+        self._require_ready("wait_sends", "ffn")
+        pending, self._pending_f2a = self._pending_f2a, []
+        self._wait_sends(pending, "f2a send to attention ranks", self.placement.subgroup)
 
     # ---- helpers --------------------------------------------------------------------------------
 
@@ -474,13 +507,18 @@ class AFDConnector:
         if self.timeline is not None:
             self.timeline.mark(kind, self.steps.num_exchanges)
 
-    def _call(self, label: str, peer: int, method: Callable[..., None], *args: Any, timed: bool = True) -> None:
+    def _wait_sends(self, handles: list[SendHandle], label: str, peer: int) -> None:
+        """Wait for issued sends, timed as transfers (the peer must post its receives)."""
+        for handle in handles:
+            self._call(label, peer, handle.wait)
+
+    def _call(self, label: str, peer: int, method: Callable[..., Any], *args: Any, timed: bool = True) -> Any:
         """One transport call; a transport error becomes the sticky AFDPeerLostError naming the peer."""
         watchdog = self._watchdog
         if timed and watchdog is not None:
             watchdog.transfer_started(f"{label} {peer}")
         try:
-            method(*args)
+            return method(*args)
         except RuntimeError as exc:
             raise self._transport_failure(exc, f"{label} {peer}") from exc
         finally:

@@ -4,18 +4,39 @@ A transport moves whole contiguous tensors between group ranks of three channels
 ``f2a``, ``ctrl``; ``Placement.channels()`` says which groups a rank joins and in which order).
 Everything else — rendezvous, handshake, step state, row checks, exchange order, liveness — is the
 connector's, so a transport is one file: ``transports/gloo.py``, ``transports/nccl.py``.
+
+Data sends are issued with ``isend``, which never waits for the peer: both gloo and NCCL are
+rendezvous transports (a send completes only once the peer posted its receive), so with more than
+one micro-batch stage a blocking send deadlocks (docs/pingpong.md#5-ordering-why-the-receives-cannot-deadlock).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from vllm_afd.wire.placement import Placement
 
-__all__ = ["Transport"]
+__all__ = ["DONE", "SendHandle", "Transport"]
+
+
+class SendHandle(Protocol):
+    """An issued send; ``wait()`` returns once the sent tensor may be reused (raises what the send raised)."""
+
+    def wait(self) -> None: ...
+
+
+class _Done:
+    """The handle of a send that completed when it was issued (in-memory or stream-ordered transports)."""
+
+    def wait(self) -> None:
+        return None
+
+
+# The shared completed handle.
+DONE: SendHandle = _Done()
 
 
 class Transport(ABC):
@@ -26,6 +47,9 @@ class Transport(ABC):
          in that order on prefixes of the rendezvous store, bounded by ``timeout_s``.
       2. ``send``/``recv`` move one tensor each, any dtype; ``recv`` fills the given tensor. The
          ``ctrl`` channel's tensors are CPU tensors, so the control plane never waits for a GPU.
+         ``isend`` issues a data send without waiting for the peer and returns its ``SendHandle``;
+         the caller keeps the tensor unchanged until ``wait()`` returned. Sends and receives of one
+         (channel, peer) pair are matched in issue order.
       3. ``abort`` may run on any thread and makes pending transfers fail where the backend allows;
          ``close`` releases everything, is idempotent and bounded.
     """
@@ -41,6 +65,10 @@ class Transport(ABC):
     @abstractmethod
     def send(self, channel: str, tensor: torch.Tensor, dst: int) -> None:
         """Send ``tensor`` to group rank ``dst``."""
+
+    @abstractmethod
+    def isend(self, channel: str, tensor: torch.Tensor, dst: int) -> SendHandle:
+        """Issue a send of ``tensor`` to group rank ``dst`` without waiting for the peer."""
 
     @abstractmethod
     def recv(self, channel: str, tensor: torch.Tensor, src: int) -> None:

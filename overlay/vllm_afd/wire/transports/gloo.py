@@ -3,7 +3,10 @@
 Every tensor crosses as a ``uint8`` view of a contiguous CPU tensor, so gloo's dtype support does not
 matter (bf16 included); CUDA tensors are staged through pinned host buffers: a send waits for its
 device-to-host copy (one host synchronisation), a receive's host-to-device copy is left in flight on the
-caller's stream (its staging buffer is reused only after that copy's event passed). Host-synchronous,
+caller's stream (its staging buffer is reused only after that copy's event passed). ``isend`` returns
+the ``Work`` of ``ProcessGroupGloo.send`` (gloo's TCP pair sends once the peer posted its receive, so
+the caller must not wait for it before its own receives); a CUDA tensor's pinned staging buffer is
+held by the handle until it is waited. Host-synchronous,
 hence eager only: the CPU path and both roles on one GPU. A dead peer closes its TCP connections, so
 a receive from it fails at once; the watchdog covers a peer that hangs. gloo cannot interrupt a
 blocked receive of its own process: ``close()`` drops the groups, which fails the peers' pending
@@ -19,9 +22,9 @@ from typing import Any
 import torch
 
 from vllm_afd.wire.placement import Placement
-from vllm_afd.wire.transport import Transport
+from vllm_afd.wire.transport import SendHandle, Transport
 
-__all__ = ["GlooTransport"]
+__all__ = ["GlooSend", "GlooTransport"]
 
 # Native timeout of every gloo send/receive. The watchdog enforces steps; the FFN's wait for the next
 # payload is legally unbounded, so this only has to outlast any idle period.
@@ -64,6 +67,24 @@ def _bytes(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.reshape(-1).view(torch.uint8)
 
 
+class GlooSend:
+    """A pending gloo send: its ``Work``, the bytes it reads, and what to do once they are free."""
+
+    def __init__(self, work: Any, data: torch.Tensor, release: Any = None) -> None:
+        self._work, self._data, self._release = work, data, release
+
+    def wait(self) -> None:
+        if self._work is None:
+            return
+        work, self._work = self._work, None
+        try:
+            work.wait(GLOO_OP_TIMEOUT)
+        finally:
+            if self._release is not None:
+                self._release(self._data)  # a staging buffer goes back to its free list
+            self._data = None
+
+
 class GlooTransport(Transport):
     """Three gloo groups (a2f, f2a, ctrl) built directly on ``PrefixStore``s of the AFD store.
 
@@ -79,6 +100,8 @@ class GlooTransport(Transport):
         # Pinned host staging for CUDA tensors, per direction and size in bytes, with the event of the
         # last copy that read or wrote it (a buffer is reused only after that copy finished).
         self._staging: dict[tuple[str, int], tuple[torch.Tensor, Any]] = {}
+        # Pinned host buffers of issued CUDA sends that were waited, free for the next isend, by size in bytes.
+        self._free_sends: dict[int, list[torch.Tensor]] = {}
         # Host synchronisations this transport made, for the connector's timeline.
         self.host_syncs = 0
 
@@ -112,6 +135,19 @@ class GlooTransport(Transport):
             self._record_copy("send", host).synchronize()  # gloo reads the bytes from the host
             self.host_syncs += 1
         self._group(channel).send([_bytes(host)], dst, 0).wait(GLOO_OP_TIMEOUT)
+
+    def isend(self, channel: str, tensor: torch.Tensor, dst: int) -> SendHandle:
+        if tensor.device.type == "cpu":
+            host = tensor.contiguous()
+            return GlooSend(self._group(channel).send([_bytes(host)], dst, 0), host)
+        # NOTE: a pending send owns its staging buffer until waited: two stages of one size may be in flight.
+        nbytes = tensor.numel() * tensor.element_size()
+        free = self._free_sends.setdefault(nbytes, [])
+        host = free.pop() if free else torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        host.view(tensor.dtype).view(tensor.shape).copy_(tensor, non_blocking=True)
+        torch.cuda.current_stream().synchronize()  # gloo reads the bytes from the host
+        self.host_syncs += 1
+        return GlooSend(self._group(channel).send([host], dst, 0), host, free.append)
 
     def recv(self, channel: str, tensor: torch.Tensor, src: int) -> None:
         if tensor.device.type == "cpu" and tensor.is_contiguous():

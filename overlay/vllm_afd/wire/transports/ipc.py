@@ -6,7 +6,7 @@ waits on (stream memory operations), so a layer's exchange needs no host round t
 and a CUDA graph records it like any other stream work.
 
 Memory. Every receiver owns one device allocation holding its receive *slots*, one per (channel,
-attention peer, message position within one exchange): on ``a2f`` the FFN owns, per attention peer,
+attention peer, micro-batch stage, message position within one exchange): on ``a2f`` the FFN owns, per attention peer,
 a slot for the hidden states and, with the gate on attention, one for the router logits; on ``f2a``
 each attention rank owns one slot for its FFN output. A slot holds the attention rank's largest
 step (``max_rows``: vLLM's max_num_batched_tokens, published at ``open``). Allocations are exported
@@ -20,12 +20,18 @@ Protocol, enqueued on the caller's current stream (no host wait, no kernel; capt
     send: copy tensor -> the peer's slot ; write(flag, FULL)        (the write fences the copy)
     recv: wait(flag >= FULL) ; copy slot -> tensor ; write(flag, EMPTY)
 
-One slot per message position suffices, because an exchange is a request/response lockstep per
-(attention rank, FFN rank) pair: attention rank j writes its a2f slots for exchange e+1 only after
-its stream passed recv_f2a(e), i.e. after the FFN wrote j's f2a flag for e, which the FFN's stream
-does after it copied exchange e out of j's a2f slots and reset their flags. Symmetrically, the FFN
-writes j's f2a slot for e+1 only after its stream received a2f e+1 from j, which j's stream sends
-after it copied f2a e out and reset that flag. Both sides count message positions alike
+With one stage, one slot per message position suffices, because an exchange is a request/response
+lockstep per (attention rank, FFN rank) pair: attention rank j writes its a2f slots for exchange e+1
+only after its stream passed recv_f2a(e), i.e. after the FFN wrote j's f2a flag for e, which the FFN's
+stream does after it copied exchange e out of j's a2f slots and reset their flags. Symmetrically, the
+FFN writes j's f2a slot for e+1 only after its stream received a2f e+1 from j, which j's stream sends
+after it copied f2a e out and reset that flag. With k stages (docs/pingpong.md) the pair is no longer
+in lockstep, but each stage is: exchanges run in (layer, stage) order on both sides, and stage s of
+layer l+1 is sent only after stage s of layer l was received, so at most k exchanges per direction are
+unconsumed at any time. Each (channel, peer) therefore cycles through ``num_stages`` x positions
+slots in message order (message n uses slot n mod that; its position is n mod positions, so sizes
+match), which also serves a step of fewer stages than ``num_stages``. Sends never wait (a copy and a
+flag write), so ``isend`` enqueues them on the current stream and returns a completed handle. Both sides count message positions alike
 (positional protocol), every step is whole exchanges, so a replayed graph begins and ends with
 every flag EMPTY (tests/unit/test_ipc_protocol.py checks this on a simulated device).
 
@@ -55,7 +61,7 @@ from typing import Any, NamedTuple
 import torch
 
 from vllm_afd.wire.placement import A2F, CONTROL, F2A, Placement
-from vllm_afd.wire.transport import Transport
+from vllm_afd.wire.transport import DONE, SendHandle, Transport
 from vllm_afd.wire.transports.cuda_driver import COPY, WAIT, WRITE, CudaDriver, Op
 from vllm_afd.wire.transports.mailbox import MailboxTransport
 from vllm_afd.wire.transports.shm import FlagBlock
@@ -88,6 +94,7 @@ class Slot:
 
     channel: str  # A2F or F2A
     peer: int  # the attention rank's group rank in the data subgroup (1..n)
+    stage: int  # the slot's turn among the num_stages sets of one (channel, peer): 0..num_stages-1
     position: int  # message position within one exchange (a2f: 0 hidden, 1 router logits)
     receiver: int  # group rank owning the buffer (0, the FFN, for a2f; the peer for f2a)
     sender: int
@@ -98,24 +105,28 @@ class Slot:
     flag: int  # word index of its ready flag in the subgroup's flag page
 
 
-def plan_slots(row_bytes: Mapping[str, Sequence[int]], max_rows: Mapping[int, int]) -> tuple[Slot, ...]:
-    """Every slot of one data subgroup, from the message widths and each attention peer's max_rows.
+def plan_slots(row_bytes: Mapping[str, Sequence[int]], max_rows: Mapping[int, int],
+               num_stages: int = 1) -> tuple[Slot, ...]:
+    """Every slot of one data subgroup, from the message widths, each attention peer's max_rows and the
+    handshake's ``num_stages``.
 
     Every member computes the same plan from the same published values: peers ascending, a2f before
-    f2a, positions ascending; offsets run per receiver, flags over the whole subgroup.
+    f2a, stages ascending, positions ascending (message order); offsets run per receiver, flags over
+    the whole subgroup.
     """
     slots: list[Slot] = []
     used: dict[int, int] = {}
     for peer in sorted(max_rows):
         for channel in (A2F, F2A):
             receiver, sender = (0, peer) if channel == A2F else (peer, 0)
-            for position, per_row in enumerate(row_bytes[channel]):
-                limit = max_rows[peer] * per_row
-                capacity = -(-limit // SLOT_ALIGN) * SLOT_ALIGN
-                offset = used.get(receiver, 0)
-                slots.append(Slot(channel, peer, position, receiver, sender, max_rows[peer], limit, offset, capacity,
-                                  len(slots) * FLAG_STRIDE))
-                used[receiver] = offset + capacity
+            for stage in range(num_stages):
+                for position, per_row in enumerate(row_bytes[channel]):
+                    limit = max_rows[peer] * per_row
+                    capacity = -(-limit // SLOT_ALIGN) * SLOT_ALIGN
+                    offset = used.get(receiver, 0)
+                    slots.append(Slot(channel, peer, stage, position, receiver, sender, max_rows[peer], limit, offset,
+                                      capacity, len(slots) * FLAG_STRIDE))
+                    used[receiver] = offset + capacity
     return tuple(slots)
 
 
@@ -148,6 +159,11 @@ def check_members(records: Mapping[int, Mapping[str, Any]], own: int) -> None:
                 f"{NAME}: AFD ranks {own} and {rank} are one process (pid {mine['pid']}); CUDA IPC maps memory of "
                 "another process. Run each role in its own process"
             )
+        if record.get("num_stages") != mine.get("num_stages"):
+            raise RuntimeError(
+                f"{NAME}: AFD ranks {own} and {rank} plan slots for different num_stages ({mine.get('num_stages')} vs "
+                f"{record.get('num_stages')}); set the same additional_config['afd']['num_stages'] on both roles"
+            )
         if record["row_bytes"] != mine["row_bytes"]:
             raise RuntimeError(
                 f"{NAME}: AFD ranks {own} and {rank} size messages differently ({mine['row_bytes']} vs "
@@ -176,7 +192,8 @@ class IpcTransport(Transport):
     """Slots in peer-visible device memory, flags in shared host memory; see the module docstring."""
 
     def __init__(self, device: torch.device, *, row_bytes: Mapping[str, Sequence[int]], max_rows: int,
-                 driver: Any = None, control: Transport | None = None, hold_period_s: float = HOLD_PERIOD_S) -> None:
+                 num_stages: int = 1, driver: Any = None, control: Transport | None = None,
+                 hold_period_s: float = HOLD_PERIOD_S) -> None:
         self.device = device
         self._driver = driver if driver is not None else CudaDriver(device)
         self._driver.check_device()
@@ -186,7 +203,11 @@ class IpcTransport(Transport):
         if sorted(row_bytes) != sorted((A2F, F2A)) or not all(n > 0 for v in row_bytes.values() for n in v):
             raise ValueError(f"{NAME}: row_bytes {dict(row_bytes)} must give positive bytes per row for "
                              f"'{A2F}' and '{F2A}'; build them with message_row_bytes()")
+        if isinstance(num_stages, bool) or not isinstance(num_stages, int) or num_stages <= 0:
+            raise ValueError(f"{NAME}: num_stages must be a positive int, got {num_stages!r}; pass the handshake's "
+                             "num_stages (AFDConfig.num_stages)")
         self.row_bytes = {channel: tuple(widths) for channel, widths in row_bytes.items()}
+        self.num_stages = num_stages
         self.max_rows = max_rows
         self._control = control if control is not None else MailboxTransport()
         self._hold_period_s = hold_period_s
@@ -215,7 +236,7 @@ class IpcTransport(Transport):
             store.set(f"{prefix}/who/{own}", json.dumps({"problem": problem}))
             check_members({own: {"problem": problem}}, own)
         driver.bind()
-        record = {**driver.identity(), "max_rows": self.max_rows, "problem": None,
+        record = {**driver.identity(), "max_rows": self.max_rows, "num_stages": self.num_stages, "problem": None,
                   "row_bytes": {channel: list(widths) for channel, widths in sorted(self.row_bytes.items())}}
         store.set(f"{prefix}/who/{own}", json.dumps(record))
         records = _gather(store, prefix, "who", members, deadline)
@@ -236,7 +257,8 @@ class IpcTransport(Transport):
             verdict = next(filter(None, _gather(store, prefix, "access", members, deadline).values()), None)
         if verdict is not None:
             raise RuntimeError(f"{NAME}: {verdict}. Use P2pNcclAFDConnector")
-        plan = plan_slots(self.row_bytes, {g: records[members[g]]["max_rows"] for g in range(1, len(members))})
+        plan = plan_slots(self.row_bytes, {g: records[members[g]]["max_rows"] for g in range(1, len(members))},
+                          self.num_stages)
         try:
             self._take(store, prefix, plan, members, placement.subgroup_rank, deadline)
             self._control.open(store, placement, max(deadline - time.monotonic(), 0.1))
@@ -284,6 +306,10 @@ class IpcTransport(Transport):
         route = self._route(key)
         nbytes = self._fits(route, tensor)
         self._enqueue(send_ops(route.pointer, route.flag_pointer, self._address(tensor), nbytes), key)
+
+    def isend(self, channel: str, tensor: torch.Tensor, dst: int) -> SendHandle:
+        self.send(channel, tensor, dst)  # a copy and a flag write on the stream: nothing waits for the peer
+        return DONE
 
     def recv(self, channel: str, tensor: torch.Tensor, src: int) -> None:
         if channel == CONTROL:

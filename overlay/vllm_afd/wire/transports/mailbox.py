@@ -33,7 +33,7 @@ from typing import Any, Callable
 import torch
 
 from vllm_afd.wire.placement import CONTROL, Placement
-from vllm_afd.wire.transport import Transport
+from vllm_afd.wire.transport import SendHandle, Transport
 from vllm_afd.wire.transports.shm import FlagBlock
 
 __all__ = ["MailboxTransport"]
@@ -132,6 +132,10 @@ class MailboxTransport(Transport):
             struct.pack_into("<II", view, offset + 8, len(payload), zlib.crc32(payload))
             struct.pack_into("<Q", view, offset, number)  # last: the message is complete
         self._written = number
+
+    def isend(self, channel: str, tensor: torch.Tensor, dst: int) -> SendHandle:
+        raise ValueError(f"{NAME}: isend({channel!r}): the mailbox carries only the {CONTROL!r} channel, whose "
+                         "sends are plain send()s; data channels belong to the IPC slots")
 
     def recv(self, channel: str, tensor: torch.Tensor, src: int) -> None:
         self._require_control(channel)

@@ -4,8 +4,11 @@ One communicator per data channel (a2f, f2a), each over a group on a prefix of t
 bound to the rank's GPU; the control channel is a gloo group on the host, like the IPC transport's,
 so publishing and reading a step's payload never waits for the GPU (docs/timeline.md). The communicator is made by the caller's ``make_communicator``: the
 vLLM-facing layer passes vLLM's ``PyNcclCommunicator`` (vllm_afd/connect.py), so this package
-imports no vLLM. Sends and receives run on the caller's current
-stream, so they can be captured in CUDA graphs. NCCL refuses two ranks on one GPU, so the ranks'
+imports no vLLM. Receives and control-free ``send``s run on the caller's current
+stream, so they can be captured in CUDA graphs; an ``isend`` runs on the channel's comm stream after
+an event of the current stream, and its handle makes the current stream wait for the send's
+completion event (an NCCL send kernel waits for the receiver: on the compute stream it would hold
+every later receive, docs/pingpong.md#5-ordering-why-the-receives-cannot-deadlock). NCCL refuses two ranks on one GPU, so the ranks'
 GPU UUIDs are compared through the store first and the refusal names the fix. ``abort()`` and
 ``close()`` destroy the communicators (``ncclCommAbort`` on a daemon thread inside vLLM); after that
 vLLM's ``send``/``recv`` silently do nothing, which is why the protocol checks for failure before
@@ -22,10 +25,10 @@ from typing import Any
 import torch
 
 from vllm_afd.wire.placement import CONTROL, Placement
-from vllm_afd.wire.transport import Transport
+from vllm_afd.wire.transport import SendHandle, Transport
 from vllm_afd.wire.transports.gloo import GlooTransport
 
-__all__ = ["DUPLICATE_GPU_MESSAGE", "MakeCommunicator", "NcclTransport"]
+__all__ = ["DUPLICATE_GPU_MESSAGE", "MakeCommunicator", "NcclSend", "NcclTransport"]
 
 # (store with the channel's prefix, group rank, group size, device) -> a communicator with
 # ``send(tensor, dst)``, ``recv(tensor, src)``, ``destroy()`` and a ``disabled`` flag.
@@ -47,6 +50,16 @@ def find_shared_gpu(identities: dict[int, str], own: int) -> int | None:
     return next((rank for rank, ident in sorted(identities.items()) if rank != own and ident == identities[own]), None)
 
 
+class NcclSend:
+    """A send on a comm stream; ``wait()`` orders the caller's current stream after it (no host wait)."""
+
+    def __init__(self, done: Any) -> None:
+        self._done = done
+
+    def wait(self) -> None:
+        torch.cuda.current_stream().wait_event(self._done)
+
+
 class NcclTransport(Transport):
     """Three NCCL communicators on ``device``; every call runs on the current CUDA stream."""
 
@@ -60,6 +73,7 @@ class NcclTransport(Transport):
         self._make_communicator = make_communicator
         self._control = GlooTransport(torch.device("cpu"), channels=(CONTROL,))
         self._comms: dict[str, Any] = {}
+        self._comm_streams: dict[str, Any] = {}  # channel -> the stream its isends run on
 
     def open(self, store: Any, placement: Placement, timeout_s: float) -> None:
         self._check_distinct_gpus(store, placement, timeout_s)  # before any NCCL call
@@ -103,6 +117,20 @@ class NcclTransport(Transport):
             return self._control.send(channel, tensor, dst)
         self._require_gpu(tensor)
         self._comm(channel).send(tensor, dst)
+
+    def isend(self, channel: str, tensor: torch.Tensor, dst: int) -> SendHandle:
+        self._require_gpu(tensor)
+        comm = self._comm(channel)
+        stream = self._comm_streams.get(channel)
+        if stream is None:
+            stream = self._comm_streams[channel] = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream())  # the tensor is written on the compute stream
+        with torch.cuda.stream(stream):
+            comm.send(tensor, dst, stream=stream)
+            tensor.record_stream(stream)  # the allocator must not reuse it before the send read it
+            done = torch.cuda.Event()
+            done.record(stream)
+        return NcclSend(done)
 
     def recv(self, channel: str, tensor: torch.Tensor, src: int) -> None:
         if channel == CONTROL:
