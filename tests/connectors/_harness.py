@@ -75,7 +75,8 @@ def make_connector(spec: ConnectorSpec, placement: Placement, *, transport: Tran
     """A connector (gloo unless told) whose fingerprint agrees with ``spec`` unless overridden;
     ``reformable``: it can ``reform()`` over a fresh gloo transport."""
     facts = dict(dtype=str(spec.dtype).removeprefix("torch."), hidden_size=spec.hidden_size,
-                 compute_gate_on_attention=spec.router_logits_width is not None, connector=spec.name)
+                 compute_gate_on_attention=spec.router_logits_width is not None, connector=spec.name,
+                 num_stages=spec.num_stages)
     facts.update(fingerprint_overrides)
     fingerprint = make_fingerprint(placement, **facts)
     return AFDConnector(spec, placement, transport or GlooTransport(spec.device), fingerprint, terminate=terminate,

@@ -57,7 +57,7 @@ def exchange(role: str, rank: int, num_attention: int, num_ffn: int, port: int, 
     layers = crossing_layers(gate)
     placement = make_placement(role, rank, num_attention, num_ffn, attention_tp=attention_tp)
     spec = make_spec(port, dtype=dtype, device=device, exchanges_per_stage=len(layers),
-                     router_logits_width=NUM_EXPERTS if gate else None)
+                     router_logits_width=NUM_EXPERTS if gate else None, num_stages=num_stages)
     connector = make_connector(spec, placement)
     num_dp = num_attention // attention_tp
     started = time.monotonic()
@@ -82,6 +82,8 @@ def exchange(role: str, rank: int, num_attention: int, num_ffn: int, port: int, 
                     _attention_exchange(connector, rank, step, layer, stage, count, dtype, gate, probe, errors, device)
                 else:
                     _ffn_exchange(connector, layer, stage, gate)
+        if role == "ffn":
+            connector.wait_sends()
     connector.close()
     connector.close()
     return {"elapsed_s": time.monotonic() - started, "payloads": payloads, "errors": errors,
@@ -116,6 +118,55 @@ def _ffn_exchange(connector: AFDConnector, layer: int, stage: int, gate: bool) -
     assert (batch.router_logits is not None) == gate
     assert batch.hidden_states.shape[0] == sum(batch.peer_rows)
     connector.send_f2a(stage, ffn_compute(batch.hidden_states, batch.router_logits, layer))
+
+
+def pingpong(role: str, rank: int, num_attention: int, num_ffn: int, port: int, num_stages: int,
+             num_steps: int) -> dict[str, Any]:
+    """One rank of a run whose attention interleaves its stages as the stage baton does
+    (docs/pingpong.md#5): per step it sends every stage of the first layer, then, per layer and stage,
+    receives that stage's previous layer and sends its next; the FFN serves layer-major, stage-minor
+    and waits its sends at the end of the step. Step s publishes s % num_stages + 1 stages (fewer
+    than agreed is legal)."""
+    dtype, layers = torch.bfloat16, crossing_layers(False)
+    placement = make_placement(role, rank, num_attention, num_ffn)
+    spec = make_spec(port, exchanges_per_stage=len(layers), num_stages=num_stages)
+    connector = make_connector(spec, placement)
+    connector.init()
+    stage_counts = []
+    for step in range(num_steps):
+        stages = range(step % num_stages + 1)
+        if role == "ffn":
+            payload = connector.next_step()
+            for layer in layers:
+                for stage in payload.stages:
+                    _ffn_exchange(connector, layer, stage, False)
+            connector.wait_sends()
+            stage_counts.append(len(payload.stages))
+            continue
+        counts_dp = {stage: step_counts(step, stage, num_attention) for stage in stages}
+        connector.publish(counts_dp)
+        sent: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+        def send(layer: int, stage: int) -> None:
+            hidden = make_hidden(rank, step, layer, stage, max(1, counts_dp[stage][rank]), dtype)
+            sent[stage] = (hidden, ffn_compute(hidden, None, layer))
+            connector.send_a2f(stage, hidden)
+
+        def receive(stage: int) -> None:
+            hidden, expected = sent.pop(stage)
+            assert torch.equal(connector.recv_f2a(stage, hidden), expected), f"step {step} stage {stage}: wrong result"
+
+        for stage in stages:
+            send(layers[0], stage)
+        for layer in layers[1:]:
+            for stage in stages:
+                receive(stage)
+                send(layer, stage)
+        for stage in stages:
+            receive(stage)
+        stage_counts.append(len(stages))
+    connector.close()
+    return {"stage_counts": stage_counts}
 
 
 def exchange_then_die(role: str, rank: int, port: int, peer_timeout_s: float) -> dict[str, Any]:

@@ -11,8 +11,8 @@ import time
 
 import pytest
 from _harness import expect_ok, free_port
-from _scenarios import (exchange, exchange_then_die, garbage_payload, hung_ffn, idle_attention, reforming_pair,
-                        step_counts)
+from _scenarios import (exchange, exchange_then_die, garbage_payload, hung_ffn, idle_attention, pingpong,
+                        reforming_pair, step_counts)
 
 
 def run_exchange(pool, num_attention, num_ffn, *, dtype="bfloat16", num_steps=3, gate=False, num_stages=1,
@@ -57,6 +57,20 @@ def test_3a2f_pairs_data_and_control_ranks_with_idle_dp_ranks(pool):
         payloads = results[("ffn", k)]["payloads"]
         assert [p["stages"][0] for p in payloads] == [step_counts(step, 0, 3) for step in range(3)]
     assert 0 in step_counts(0, 0, 3)  # an idle DP rank sent one row and got it back
+
+
+@pytest.mark.parametrize(("num_attention", "num_stages"), [(1, 2), (2, 3)])
+def test_interleaved_stages_complete_bit_exact_over_rendezvous_sends(pool, num_attention, num_stages):
+    # Every stage's send is issued before the first receive: blocking sends would deadlock here
+    # (tests/unit/test_stage_ordering.py); steps of fewer stages than agreed run too.
+    port = free_port()
+    ranks = [("ffn", 0)] + [("attention", j) for j in range(num_attention)]
+    arg_lists = [(role, rank, num_attention, 1, port, num_stages, 2 * num_stages) for role, rank in ranks]
+
+    results = expect_ok(pool.run(pingpong, arg_lists, timeout_s=90.0))
+
+    expected = [step % num_stages + 1 for step in range(2 * num_stages)]
+    assert [result["stage_counts"] for result in results] == [expected] * len(ranks)
 
 
 def test_undecodable_control_bytes_are_a_protocol_error_on_the_ffn(pool):
