@@ -7,7 +7,10 @@ stream's ready ops in any order, and either side may abort. Checked in stream or
 kernels would read the data: every message arrives exactly as sent, none is lost or overwritten by the
 next one; with matched traffic every stream runs dry (no deadlock) and leaves every flag EMPTY; after
 an abort, the aborted rank's stream never stays blocked, and once every rank aborted (as their
-watchdogs do) every stream runs dry.
+watchdogs do) every stream runs dry. With ``NUM_STAGES`` k > 1 (docs/pingpong.md) each attention
+host enqueues in the stage baton's order: the sends of k exchanges are in flight before the first
+result is received (exchange n's send follows the receive of n - k, the same stage one layer
+earlier), which the slots per (stage, position) must carry without a loss.
 """
 
 from __future__ import annotations
@@ -48,13 +51,16 @@ def respond(hidden: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
 
 
 class IpcProtocolMachine(RuleBasedStateMachine):
+    NUM_STAGES = 1  # the transports' num_stages and how many exchanges an attention host keeps in flight
+
     def __init__(self) -> None:
         super().__init__()
         self.sim = SimDevice()
         self.drivers = [FakeDriver(self.sim, pid=300 + i) for i in range(3)]
         # NOTE: the abort holder's own thread is slowed down; the simulated device re-arms the flags
         # itself (release_waits) whenever every stream is blocked, deterministically.
-        self.transports = [make_transport(d, max_rows=MAX_ROWS, hold_period_s=3600.0) for d in self.drivers]
+        self.transports = [make_transport(d, max_rows=MAX_ROWS, hold_period_s=3600.0, num_stages=self.NUM_STAGES)
+                           for d in self.drivers]
         placements = [Placement("ffn", 0, 2, 1)] + [Placement("attention", j, 2, 1, dp_size=2) for j in range(2)]
         assert open_all(self.transports, placements, HashStore()) == [None, None, None]
         self.enqueued = [0, 0, 0]  # exchanges each host enqueued: FFN, attention group ranks 1 and 2
@@ -63,6 +69,8 @@ class IpcProtocolMachine(RuleBasedStateMachine):
         self.alive: list[torch.Tensor] = []  # whatever the simulated device may still touch
         self.ffn_in = {p: (torch.zeros(MAX_ROWS, HIDDEN), torch.zeros(MAX_ROWS, EXPERTS)) for p in PEERS}
         self.ffn_out = {p: torch.zeros(MAX_ROWS, HIDDEN) for p in PEERS}  # persistent, as graph buffers are
+        # Per attention peer: exchange -> (the tensor sent, the result expected in it), sent but not received.
+        self.in_flight: dict[int, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {p: {} for p in PEERS}
 
     def _on_device(self, rank: int, call) -> None:
         self.sim.streams[self.drivers[rank].stream].append(call)
@@ -79,14 +87,19 @@ class IpcProtocolMachine(RuleBasedStateMachine):
     @rule(peer=st.sampled_from(PEERS))
     def attention_enqueues_an_exchange(self, peer: int) -> None:
         exchange, transport = self.enqueued[peer], self.transports[peer]
+        if exchange >= self.NUM_STAGES:  # the baton: this stage's previous layer is received first
+            self._attention_receives(peer, exchange - self.NUM_STAGES)
         hidden, logits = hidden_of(peer, exchange), logits_of(peer, exchange)
-        expected = respond(hidden, logits)
-        transport.send(A2F, hidden, 0)
-        transport.send(A2F, logits, 0)
-        transport.recv(F2A, hidden, 0)  # into the tensor just sent, as the proxy does
-        self._on_device(peer, lambda: self._check(("attention", peer), hidden, expected))
+        transport.isend(A2F, hidden, 0).wait()  # IPC sends are stream work: the handle is complete at once
+        transport.isend(A2F, logits, 0).wait()
+        self.in_flight[peer][exchange] = (hidden, respond(hidden, logits))
         self.alive += [hidden, logits]
         self.enqueued[peer] += 1
+
+    def _attention_receives(self, peer: int, exchange: int) -> None:
+        hidden, expected = self.in_flight[peer].pop(exchange)
+        self.transports[peer].recv(F2A, hidden, 0)  # into the tensor just sent, as the proxy does
+        self._on_device(peer, lambda: self._check(("attention", peer), hidden, expected))
 
     @precondition(lambda self: not self.aborted)
     @rule()
@@ -128,7 +141,7 @@ class IpcProtocolMachine(RuleBasedStateMachine):
     def flags_hold_protocol_values(self) -> None:
         flags = self.transports[0]._flags
         if flags is not None:
-            assert {flags.read(i) for i in range(0, 12 * 16, 16)} <= {EMPTY, FULL, ABORT}
+            assert {flags.read(i) for i in range(0, 6 * self.NUM_STAGES * 16, 16)} <= {EMPTY, FULL, ABORT}
 
     def teardown(self) -> None:
         try:
@@ -138,11 +151,13 @@ class IpcProtocolMachine(RuleBasedStateMachine):
                 for peer in PEERS:
                     while self.enqueued[peer] < self.enqueued[0]:
                         self.attention_enqueues_an_exchange(peer)
+                    for exchange in sorted(self.in_flight[peer]):  # the step's last layer, every stage
+                        self._attention_receives(peer, exchange)
                 assert self.sim.drain(), "matched exchanges deadlocked"
                 assert all(self.checked[("attention", p)] == self.checked[("ffn", p)] == self.enqueued[0]
                            for p in PEERS), (self.checked, self.enqueued)
                 flags = self.transports[0]._flags
-                assert all(flags.read(i) == EMPTY for i in range(0, 6 * 16, 16)), "a step must end with flags EMPTY"
+                assert all(flags.read(i) == EMPTY for i in range(0, 6 * self.NUM_STAGES * 16, 16)), "a step must end with flags EMPTY"
             else:
                 for transport in self.transports:  # every watchdog fires in the end
                     transport.abort()
@@ -154,3 +169,17 @@ class IpcProtocolMachine(RuleBasedStateMachine):
 
 IpcProtocolMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
 test_ipc_flag_protocol = IpcProtocolMachine.TestCase
+
+
+class IpcTwoStagesMachine(IpcProtocolMachine):
+    NUM_STAGES = 2
+
+
+class IpcThreeStagesMachine(IpcProtocolMachine):
+    NUM_STAGES = 3
+
+
+for _machine in (IpcTwoStagesMachine, IpcThreeStagesMachine):
+    _machine.TestCase.settings = settings(max_examples=40, stateful_step_count=30, deadline=None)
+test_ipc_flag_protocol_two_stages = IpcTwoStagesMachine.TestCase
+test_ipc_flag_protocol_three_stages = IpcThreeStagesMachine.TestCase
