@@ -130,6 +130,25 @@ def test_cudagraph_manager_is_built_through_the_runner_property(pinned_tree: Pat
     assert len(call_sites(initialize, "cudagraph_manager_cls")) == 1
 
 
+V1_RUNNER = "vllm/v1/worker/gpu_model_runner.py"
+
+
+def test_v1_runner_reads_its_micro_batch_count_only_through_the_property(pinned_tree: Path) -> None:
+    """`v1-runner-add-num-ubatches`: every reader of the count asks `self.num_ubatches`, whose default is
+    parallel_config's count when DBO/ubatching is on and 1 otherwise (so the patched runner is the pinned one)."""
+    module = parse(pinned_tree, V1_RUNNER)
+    prop = find_def(module, "GPUModelRunner.num_ubatches")
+
+    assert [ast.unparse(d) for d in prop.decorator_list] == ["property"]
+    assert ast.unparse(prop.body[-1]) == "return pc.num_ubatches if pc.use_ubatching else 1"
+    for reader in ("_allow_microbatching", "execute_model", "_dummy_run", "initialize_metadata_builders"):
+        source = ast.unparse(find_def(module, f"GPUModelRunner.{reader}"))
+        assert "self.num_ubatches" in source, reader
+        assert "parallel_config.num_ubatches" not in source, reader
+    veto = ast.unparse(find_def(module, "GPUModelRunner._allow_microbatching"))
+    assert "use_ubatching" not in veto  # the prefix-cache veto runs for a runner's own micro-batches too
+
+
 def test_before_capture_forward_signature(pinned_tree: Path) -> None:
     hook = find_def(parse(pinned_tree, CUDAGRAPH), "CudaGraphManager.before_capture_forward")
 
