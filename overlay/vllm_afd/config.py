@@ -86,8 +86,9 @@ GRAPH_FIELDS = (
 
 # Micro-batch stages per step a config may name (docs/pingpong.md), and those that run today.
 NUM_STAGES = (1, 2, 3)
-# NOTE: lifting the refusal of the ping-pong is this one line: IMPLEMENTED_NUM_STAGES = NUM_STAGES.
-IMPLEMENTED_NUM_STAGES = (1,)
+# Every stage count parses; the CUDA attention (Model Runner V2) still refuses num_stages > 1 at
+# worker start (validation.check_features), until issue 13's CUDA step (docs/pingpong.md § 11, step 5).
+IMPLEMENTED_NUM_STAGES = NUM_STAGES
 
 _TRUE_WORDS = frozenset({"1", "true", "yes", "on"})
 _FALSE_WORDS = frozenset({"0", "false", "no", "off"})

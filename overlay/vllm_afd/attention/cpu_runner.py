@@ -1,17 +1,110 @@
-"""The attention runner on CPU: vLLM's V1 CPU runner plus the AFD mixin.
+"""The attention runner on CPU: vLLM's V1 CPU runner plus the AFD mixin, and the micro-batch stages.
 
 CPU vLLM runs the V1 runner (Model Runner V2 needs Triton's CPU backend).  V1 needs no
 per-step hook: its forward contexts carry no batch descriptor and its dummy runs call
 the model directly, so the control payload is published lazily by the first AFD op of
 each forward context (docs/attention.md#publish-rule), which sees every model forward.
+
+With `num_stages` > 1 (docs/pingpong.md § 3.3, § 4.2) the runner tells V1 its micro-batch count
+(seam `v1-runner-add-num-ubatches`), decides per step whether `execute_model` splits
+(`attention/stages.py`, under vLLM's prefix-cache veto `_allow_microbatching`), and, when V1 made
+the slices and the per-stage attention metadata, runs the native forward once per stage on the
+stage threads of `attention/ubatch.py`, publishing every stage's rows first.  Dummy and profile
+runs stay one stage.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
+import torch
+from vllm.forward_context import ForwardContext, create_forward_context, get_forward_context
+from vllm.logger import init_logger
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 
 from vllm_afd.attention.mixin import AFDAttentionRunnerMixin
+from vllm_afd.attention.stages import stages_for_step
+from vllm_afd.attention.ubatch import CPUStageBaton, run_stages
+from vllm_afd.config import AFDConfig
+from vllm_afd.models.proxy import SIDECAR_KEY, ForwardSidecar
+from vllm_afd.wire.placement import Placement
+
+logger = init_logger(__name__)
 
 
 class AFDCPUAttentionModelRunner(AFDAttentionRunnerMixin, CPUModelRunner):
-    """V1 CPU runner whose model is the attention half; all AFD logic is in the mixin."""
+    """V1 CPU runner whose model is the attention half; see the module docstring."""
+
+    def __init__(self, vllm_config: Any, device: Any, afd_config: AFDConfig, placement: Placement):
+        self.afd_num_stages = afd_config.num_stages
+        self._afd_in_execute = False  # only execute_model's steps may split (dummy runs stay one stage)
+        super().__init__(vllm_config, device, afd_config, placement)
+
+    @property
+    def num_ubatches(self) -> int:
+        """Patch `v1-runner-add-num-ubatches`: V1's metadata builders, slices and veto use our count."""
+        return self.afd_num_stages
+
+    def execute_model(self, *args: Any, **kwargs: Any) -> Any:
+        self._afd_in_execute = True
+        try:
+            return super().execute_model(*args, **kwargs)
+        finally:
+            self._afd_in_execute = False
+
+    def _determine_batch_execution_and_padding(self, *args: Any, **kwargs: Any) -> Any:
+        """V1 sets `should_ubatch` only through its DP vote; at DP 1 (AFD stages refuse DP > 1) the planner
+        answers instead, with vLLM's prefix-cache veto (`allow_microbatching`) as its `allowed`."""
+        mode, desc, should_ubatch, tokens_across_dp, stats = super()._determine_batch_execution_and_padding(
+            *args, **kwargs)
+        if self._afd_in_execute and self.afd_num_stages > 1:
+            count = stages_for_step(self.afd_num_stages, kwargs["num_tokens"],
+                                    allowed=kwargs.get("allow_microbatching", True))
+            should_ubatch = count > 1
+        return mode, desc, should_ubatch, tokens_across_dp, stats
+
+    def _model_forward(self, input_ids: torch.Tensor | None = None, positions: torch.Tensor | None = None,
+                       intermediate_tensors: Any = None, inputs_embeds: torch.Tensor | None = None,
+                       **model_kwargs: Any) -> Any:
+        context = get_forward_context()
+        slices = context.ubatch_slices
+        native = super()._model_forward
+        if not slices:
+            return native(input_ids=input_ids, positions=positions, intermediate_tensors=intermediate_tensors,
+                          inputs_embeds=inputs_embeds, **model_kwargs)
+        if intermediate_tensors is not None or model_kwargs:
+            raise RuntimeError(
+                f"AFD stages: a step with intermediate tensors or model kwargs {sorted(model_kwargs)} cannot run as "
+                f"{len(slices)} stages; expected a text decoder without pipeline parallelism. Set num_stages to 1"
+            )
+        self.afd_connector.publish({j: [s.num_tokens] for j, s in enumerate(slices)})
+        logger.info_once("AFD CPU attention: running steps as %d micro-batch stages (first: %s tokens)",
+                         len(slices), [s.num_tokens for s in slices])
+        baton = CPUStageBaton(len(slices), self.afd_connector.spec.step_timeout_s)
+        contexts = [self._afd_stage_context(context, j, baton) for j in range(len(slices))]
+
+        def forward(stage: int) -> Any:
+            tokens = slices[stage].token_slice
+            return native(
+                input_ids=None if input_ids is None else input_ids[tokens],
+                positions=positions[..., tokens],  # [num_tokens], or [3, num_tokens] with M-RoPE
+                inputs_embeds=None if inputs_embeds is None else inputs_embeds[tokens],
+            )
+
+        outputs = run_stages(forward, contexts, baton)
+        if not all(isinstance(output, torch.Tensor) for output in outputs):
+            raise RuntimeError("AFD stages: the model returned auxiliary outputs (EAGLE-3 hidden states); they "
+                               "cannot be split into stages. Set num_stages to 1")
+        return torch.cat(outputs)  # [num_tokens_padded, hidden_size], in stage order
+
+    def _afd_stage_context(self, outer: ForwardContext, stage: int, baton: CPUStageBaton) -> ForwardContext:
+        """Stage ``stage``'s forward context, as vLLM's UBatchWrapper builds them, with a published sidecar."""
+        slot_mapping = outer.slot_mapping[stage] if isinstance(outer.slot_mapping, list) else None
+        extra = {key: value for key, value in outer.additional_kwargs.items() if key != SIDECAR_KEY}
+        context = create_forward_context(
+            outer.attn_metadata[stage], self.vllm_config, cudagraph_runtime_mode=outer.cudagraph_runtime_mode,
+            slot_mapping=slot_mapping, additional_kwargs=extra, skip_compiled=outer.skip_compiled)
+        # NOTE: this context is ours; its rows were published for every stage at once.
+        context.additional_kwargs[SIDECAR_KEY] = ForwardSidecar(self._afd_handle, stage=stage, published=True,
+                                                                baton=baton)
+        return context

@@ -54,6 +54,9 @@ class ForwardSidecar:
     published: bool = False
     # vLLM's memory-profile forward; the lazy V1 publish copies it into the payload's flag.
     is_profile: bool = False
+    # The CPU stage baton (attention/ubatch.py) of a forward that runs as one of several stages: the
+    # send op yields it right after issuing its send. None with one stage.
+    baton: Any = None
 
 
 # ---- the proxies -----------------------------------------------------------------------------------
@@ -199,6 +202,8 @@ def _afd_send_impl(hidden: torch.Tensor, router_logits: Optional[torch.Tensor], 
     if not sidecar.published:
         _publish_lazily(connector, context, sidecar, hidden)
     connector.send_a2f(sidecar.stage, hidden, router_logits)
+    if sidecar.baton is not None:
+        sidecar.baton.yield_stage()  # the next stage computes while this one's rows travel
 
 
 def _afd_send_fake(hidden: torch.Tensor, router_logits: Optional[torch.Tensor], layer_idx: int) -> None:
