@@ -74,5 +74,6 @@ def test_staged_tokens_equal_plain_vllm_for_every_request_shape(plain, num_stage
         outputs = stage_outputs(afd.attention.base_url)
         log = afd.attention.log_path.read_text()
 
+    assert plain["mixed"][0], "the long request streamed nothing on plain vLLM"
     assert outputs == plain
     assert STAGES_RAN.format(num_stages) in log, f"the attention never split a step ({afd.attention.log_path})"

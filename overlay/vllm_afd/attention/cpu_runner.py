@@ -78,8 +78,7 @@ class AFDCPUAttentionModelRunner(AFDAttentionRunnerMixin, CPUModelRunner):
                 f"{len(slices)} stages; expected a text decoder without pipeline parallelism. Set num_stages to 1"
             )
         self.afd_connector.publish({j: [s.num_tokens] for j, s in enumerate(slices)})
-        logger.info_once("AFD CPU attention: running steps as %d micro-batch stages (first: %s tokens)",
-                         len(slices), [s.num_tokens for s in slices])
+        logger.info_once("AFD CPU attention: running steps as %d micro-batch stages", len(slices))
         baton = CPUStageBaton(len(slices), self.afd_connector.spec.step_timeout_s)
         contexts = [self._afd_stage_context(context, j, baton) for j in range(len(slices))]
 
