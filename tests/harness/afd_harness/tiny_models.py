@@ -118,6 +118,15 @@ TINY_ARCHS: dict[str, TinyArch] = {
                     num_experts_per_tok=8, moe_intermediate_size=768, max_position_embeddings=40960,
                     mlp_only_layers=[], decoder_sparse_step=1, norm_topk_prob=True, rope_theta=1000000.0),
     ),
+    # The CPU stage benchmark (docs/pingpong.md § 10, scripts/bench_afd_cpu.py --num-stages): wide enough
+    # that a layer's compute on one core exceeds a gloo round trip (a + f >= t), small enough for one core.
+    "qwen3_moe_1k_4l": TinyArch(
+        config_cls="Qwen3MoeConfig", model_cls="Qwen3MoeForCausalLM", weights=False,
+        config=dict(_COMMON, hidden_size=1024, intermediate_size=2048, num_hidden_layers=4,
+                    num_attention_heads=16, num_key_value_heads=4, head_dim=64, num_experts=16,
+                    num_experts_per_tok=2, moe_intermediate_size=1024, mlp_only_layers=[],
+                    decoder_sparse_step=1, norm_topk_prob=True),
+    ),
     "deepseek_v2_lite_4l": TinyArch(
         config_cls="DeepseekV2Config", model_cls="DeepseekV2ForCausalLM", weights=False,
         config=dict(_DEEPSEEK, hidden_size=2048, intermediate_size=10944, num_hidden_layers=4,
