@@ -66,8 +66,6 @@ def healing_blocker(vllm_config: VllmConfig, afd: AFDConfig) -> str | None:
                 "balancer vLLM's fault tolerance refuses; start one vllm serve per DP rank to heal")
     if getattr(parallel, "_api_process_count", 1) > 1:
         return "vLLM's fault tolerance needs --api-server-count 1"
-    if graph_mode(vllm_config) != "eager":
-        return "its CUDA graphs hold the old pairing's buffers; run the attention eager to heal"
     return None
 
 

@@ -119,6 +119,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="AFD ranks stamp their per-layer timeline (docs/timeline.md) into logs/timeline/<model>/<variant> "
              "(in OUT/logs.tar.gz); "
              "each round then writes timeline.md and timeline.png there (stamps cost a little throughput)")
+    add("--heal-variants", type=_names, default=list(phases.HEAL_VARIANTS),
+        help="servers of the heal phase (plain_eager first: the tokens baseline)")
+    add("--heal-rounds", type=int, default=1, help="kill and restart the FFN this many times per variant")
     add("--token-max-tokens", type=int, default=24)
     add("--bench-batches", type=_arg(lambda s: report.parse_int_list(s, "--bench-batches")), default=[1, 32])
     add("--bench-tokens", type=int, default=128)

@@ -387,8 +387,8 @@ HEAL_VARIANTS = ("plain_eager", "afd_eager", "afd_ipc_eager", "afd_ipc_graphs")
 
 def phase_heal(run: Run) -> dict[str, Any]:
     """An FFN killed and restarted under the same attention, per AFD variant (docs/connection.md#healing-attention):
-    an eager attention heals (same pid, 503 with the re-forming notice meanwhile, plain tokens after); one with CUDA
-    graphs cannot (validation.healing_blocker) and says so in its 503."""
+    every variant heals (same pid, 503 with the re-forming notice meanwhile, plain tokens after); one with CUDA
+    graphs records them again in its first step after re-forming (timed as first_batch_after_heal_s)."""
     from afd_harness.server import complete_batch
 
     arch = run.args.models[0]
@@ -398,7 +398,7 @@ def phase_heal(run: Run) -> dict[str, Any]:
         platform=args.platform, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         gpu_mem_util=args.gpu_mem_util, kv_cache_bytes=args.kv_cache_bytes, graph_compile=args.graph_compile,
         rendezvous_timeout_s=max(60.0, args.startup_timeout_s - 30), extra_args=tuple(model.get("serve_args", ())))
-    variants = [v for v in HEAL_VARIANTS if args.platform == "cuda" or v not in serving.CUDA_ONLY_VARIANTS]
+    variants = [v for v in args.heal_variants if args.platform == "cuda" or v not in serving.CUDA_ONLY_VARIANTS]
     ports = {v: _free_port() for v in variants if v in serving.AFD_VARIANTS}
     specs = serving.server_specs(variants, settings, afd_port=ports)
     servers, infos = serving.start_servers(specs, Path(model["path"]), base_env=run.env(), logs_dir=run.logs_dir,
@@ -421,13 +421,15 @@ def phase_heal(run: Run) -> dict[str, Any]:
             if run.time_left() < 150 or infos[f"{prefix}_attention"]["status"] != "up":
                 result["variants"][variant] = {"skipped": f"{run.time_left():.0f} s left or not up"}
                 continue
-            result["variants"][variant] = _guarded(
-                lambda attention=attention, ffn=ffn: _heal_once(attention, ffn, plain, tokens, run))
+            rounds = [_guarded(lambda attention=attention, ffn=ffn: _heal_once(attention, ffn, plain, tokens, run))
+                      for _ in range(args.heal_rounds) if run.time_left() >= 150]
+            result["variants"][variant] = rounds[0] if len(rounds) == 1 else {
+                "rounds": rounds, "tokens_equal_plain": all(isinstance(r, dict) and r.get("tokens_equal_plain")
+                                                            for r in rounds)}
     finally:
         serving.stop_servers(servers, infos)
     healed = [v for v, r in result["variants"].items() if isinstance(r, dict) and r.get("tokens_equal_plain")]
-    eager = {v for v in variants if v in serving.AFD_VARIANTS and not serving.AFD_VARIANTS[v][1]}
-    result["status"] = "ok" if eager <= set(healed) else "failed"
+    result["status"] = "ok" if {v for v in variants if v in serving.AFD_VARIANTS} <= set(healed) else "failed"
     return result
 
 
@@ -436,7 +438,9 @@ def _heal_once(attention: Any, ffn: Any, plain: list[list[int]], tokens: Callabl
     import threading
 
     url = attention.base_url
-    record: dict[str, Any] = {"tokens_before_equal_plain": tokens(url) == plain}
+    started = time.monotonic()
+    record: dict[str, Any] = {"tokens_before_equal_plain": tokens(url) == plain,
+                              "batch_before_s": round(time.monotonic() - started, 2)}
     pid = attention.process.pid
     # NOTE: a long stream is decoding when the FFN dies, so the step observes the loss (vLLM's fault-tolerance
     # retry path); an idle attention would re-form in the background instead.
@@ -457,10 +461,25 @@ def _heal_once(attention: Any, ffn: Any, plain: list[list[int]], tokens: Callabl
                   serving_again_after_ffn_up_s=round(time.monotonic() - ffn_up, 1),
                   attention_pid_kept=attention.process.pid == pid and attention.process.poll() is None)
     if status == 200:
+        started = time.monotonic()
         record["tokens_equal_plain"] = tokens(url) == plain
+        record["first_batch_after_heal_s"] = round(time.monotonic() - started, 2)
+        record["gpu_memory_used_mib_after"] = _gpu_memory_used_mib()
     else:
         record["after_restart_message"] = message[:400]
     return record
+
+
+def _gpu_memory_used_mib() -> int | None:
+    """The device's used memory (every process on it), to see whether repeated heals leak."""
+    import shutil
+    import subprocess
+
+    if not shutil.which("nvidia-smi"):
+        return None
+    out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                         capture_output=True, text=True, timeout=30, check=False).stdout.split()
+    return int(out[0]) if out and out[0].isdigit() else None
 
 
 def _stream_end(url: str) -> str:

@@ -196,3 +196,19 @@ def test_capture_hook_is_not_called_at_replay(pinned_tree: Path) -> None:
     for qualname in ("CudaGraphManager.run_fullgraph", "ModelCudaGraphManager.run_fullgraph",
                      "CudaGraphManager.run_pw_graph"):
         assert call_sites(find_def(module, qualname), "before_capture_forward") == []
+
+
+def test_release_graphs_lets_capture_model_record_every_graph_again(pinned_tree: Path) -> None:
+    """After a re-formation the CUDA runner calls release_graphs() then capture_model() (attention/runner.py):
+    release must empty what capture() asserts on and keep the descriptors needs_capture() reads."""
+    module = parse(pinned_tree, CUDAGRAPH)
+    release = ast.unparse(ast.Module(find_def(module, "CudaGraphManager.release_graphs").body[1:], []))  # no docstring
+    capture = ast.unparse(find_def(module, "CudaGraphManager.capture"))
+
+    assert "self.graphs.clear()" in release and "self._graphs_captured = False" in release
+    assert "_capture_descs" not in release
+    assert "assert desc not in self.graphs" in capture
+    assert ast.unparse(find_def(module, "CudaGraphManager.needs_capture").body[-1]) == (
+        "return len(self._capture_descs) > 0")
+    model_capture = find_def(parse(pinned_tree, MRV2), "GPUModelRunner.capture_model")
+    assert len(call_sites(model_capture, "needs_capture")) == 1

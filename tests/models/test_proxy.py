@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -84,25 +83,44 @@ CHILD = textwrap.dedent('''
 ''')
 
 
-def run_child(script: str, *args: str) -> str:
-    """Run `script` in a fresh interpreter without the AFD plugin; return its REPORT line."""
+def start_child(script: str, *args: str) -> subprocess.Popen:
+    """Start `script` in a fresh interpreter without the AFD plugin."""
     others = [ep.name for ep in entry_points(group="vllm.general_plugins") if ep.name != "afd"]
     env = dict(os.environ, VLLM_PLUGINS=",".join(others))
     overlay = Path(__file__).resolve().parents[2] / "overlay"
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(overlay), env.get("PYTHONPATH")]))
-    done = subprocess.run([sys.executable, "-c", script, *args],
-                          capture_output=True, text=True, timeout=300, env=env)
-    lines = [line for line in done.stdout.splitlines() if line.startswith("REPORT ")]
-    assert done.returncode == 0 and lines, done.stderr[-3000:]
-    return lines[-1][len("REPORT "):]
+    return subprocess.Popen([sys.executable, "-c", script, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env)
+
+
+def child_report(child: subprocess.Popen) -> dict:
+    """The child's REPORT line, parsed; its stderr tail if it failed."""
+    stdout, stderr = child.communicate(timeout=300)
+    lines = [line for line in stdout.splitlines() if line.startswith("REPORT ")]
+    assert child.returncode == 0 and lines, stderr[-3000:]
+    return json.loads(lines[-1][len("REPORT "):])
 
 
 @pytest.fixture(scope="module")
-def report(tiny_model_dirs):
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = str(sock.getsockname()[1])
-    return json.loads(run_child(CHILD, str(tiny_model_dirs["qwen3_moe"]), port))
+def children(tiny_model_dirs):
+    """The module's three children, started together: each imports vLLM and one compiles with inductor,
+    so side by side they take about half the time on CI's two cores."""
+    from afd_harness.server import free_ports
+
+    model = str(tiny_model_dirs["qwen3_moe"])
+    proxies_port, whole_model_port = map(str, free_ports(2))
+    started = {"proxies": start_child(CHILD, model, proxies_port), "loopback": start_child(LOOPBACK),
+               "whole_model": start_child(WHOLE_MODEL, model, whole_model_port)}
+    yield started
+    for child in started.values():
+        if child.poll() is None:
+            child.kill()
+            child.communicate()
+
+
+@pytest.fixture(scope="module")
+def report(children):
+    return child_report(children["proxies"])
 
 
 def test_dense_proxy_sends_hidden_then_receives_into_the_sent_tensor(report):
@@ -192,8 +210,8 @@ LOOPBACK = textwrap.dedent('''
 
 
 @pytest.fixture(scope="module")
-def loopback_report():
-    return json.loads(run_child(LOOPBACK))
+def loopback_report(children):
+    return child_report(children["loopback"])
 
 
 @pytest.mark.parametrize("backend", ["none", "eager", "inductor"])
@@ -265,11 +283,8 @@ WHOLE_MODEL = textwrap.dedent('''
 
 
 @pytest.fixture(scope="module")
-def whole_model_report(tiny_model_dirs):
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = str(sock.getsockname()[1])
-    return json.loads(run_child(WHOLE_MODEL, str(tiny_model_dirs["qwen3_moe"]), port))
+def whole_model_report(children):
+    return child_report(children["whole_model"])
 
 
 @pytest.mark.parametrize("gate_on_attention, crossing, width", [(False, [0, 1, 2], None),

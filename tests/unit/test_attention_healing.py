@@ -204,7 +204,7 @@ def test_an_attention_that_cannot_heal_keeps_fault_tolerance_off_and_says_why(mo
     assert not config.parallel_config.enable_fault_tolerance
 
 
-def test_cuda_graphs_block_healing(model_dir):
+def test_an_attention_with_cuda_graphs_heals_too(model_dir):
     from vllm.config import CUDAGraphMode
 
     from vllm_afd.validation import healing_blocker
@@ -213,8 +213,80 @@ def test_cuda_graphs_block_healing(model_dir):
     config.model_config.enforce_eager = False
     config.compilation_config.cudagraph_mode = CUDAGraphMode.FULL_DECODE_ONLY
 
-    assert healing_blocker(config, parse_afd_config(config)) == (
-        "its CUDA graphs hold the old pairing's buffers; run the attention eager to heal")
+    assert healing_blocker(config, parse_afd_config(config)) is None
+
+
+class GraphRunnerParts:
+    """What the CUDA runner's graph refresh touches: its connector, vLLM's graph manager, telemetry."""
+
+    def __init__(self, has_graphs: bool) -> None:
+        self.events: list[str] = []
+        self.reformations = 0
+        self.failure: BaseException | None = None
+        self.has_graphs = has_graphs
+
+    # connector
+    def check_failed(self) -> None:
+        if self.failure is not None:
+            raise self.failure
+
+    # graph manager
+    def needs_capture(self) -> bool:
+        return self.has_graphs
+
+    def release_graphs(self) -> None:
+        self.events.append("release")
+
+    # telemetry
+    def after_step(self) -> None:
+        pass
+
+
+@pytest.fixture
+def cuda_runner(monkeypatch):
+    """The CUDA attention runner over GraphRunnerParts; vLLM's own capture and step are recorders."""
+    from vllm.v1.worker.gpu.model_runner import GPUModelRunner
+
+    from vllm_afd.attention.runner import AFDAttentionModelRunner
+
+    def make(has_graphs: bool):
+        parts = GraphRunnerParts(has_graphs)
+        monkeypatch.setattr(GPUModelRunner, "capture_model", lambda self, **kw: parts.events.append("capture") or 0)
+        monkeypatch.setattr(GPUModelRunner, "execute_model", lambda self, *a, **kw: parts.events.append("step"))
+        runner = object.__new__(AFDAttentionModelRunner)  # no device: only the graph refresh runs
+        runner._afd_graphs_pairing = None
+        runner.afd_connector = runner.cudagraph_manager = runner._afd_telemetry = parts
+        runner.capture_model()  # start-up
+        return runner, parts
+
+    return make
+
+
+def test_a_graph_attention_records_its_graphs_again_before_its_first_step_after_re_forming(cuda_runner):
+    runner, parts = cuda_runner(has_graphs=True)
+    runner.execute_model()
+    parts.reformations = 1  # healed (attention/healing.py)
+    runner.execute_model()
+    runner.execute_model()
+
+    assert parts.events == ["capture", "step", "release", "capture", "step", "step"]
+
+
+def test_an_eager_attention_records_no_graphs_after_re_forming(cuda_runner):
+    runner, parts = cuda_runner(has_graphs=False)
+    parts.reformations = 1
+    runner.execute_model()
+
+    assert parts.events == ["capture", "step"]
+
+
+def test_a_failed_connector_fails_the_step_before_any_graph_is_dropped(cuda_runner):
+    runner, parts = cuda_runner(has_graphs=True)
+    parts.reformations, parts.failure = 1, AFDPeerLostError("AFD peer lost: x")
+
+    with pytest.raises(AFDPeerLostError):
+        runner.execute_model()
+    assert parts.events == ["capture"]
 
 
 def test_the_engines_responder_retries_only_while_an_afd_outage_notice_exists(notice_dir):

@@ -6,10 +6,16 @@ forward context, so the control payload is published from the per-step hook
 `before_model_forward` (patch `mrv2-add-before-model-forward`), which runs once per
 executed step, eager or replay, dummy and profile steps included; capture forwards
 publish from the graph manager's capture hook (capture.py).
+
+Graphs record the pairing they were captured under (the peer's IPC slots, the NCCL communicator),
+so after the connector re-formed with a restarted FFN (attention/healing.py) the next step first
+drops them (patch `cudagraph-add-release-graphs`, vLLM 0.32's `release_graphs`) and records them
+again, which also makes the new FFN record its own; no replay of an old graph comes first.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from vllm.config import CUDAGraphMode
@@ -20,6 +26,8 @@ from vllm_afd.attention.capture import CaptureArm, bind_cudagraph_manager
 from vllm_afd.attention.mixin import AFDAttentionRunnerMixin
 from vllm_afd.attention.payloads import step_counts
 
+logger = logging.getLogger(__name__)
+
 
 class AFDAttentionModelRunner(AFDAttentionRunnerMixin, GPUModelRunner):
     """Model Runner V2 whose model is the attention half."""
@@ -28,12 +36,34 @@ class AFDAttentionModelRunner(AFDAttentionRunnerMixin, GPUModelRunner):
 
     def __init__(self, vllm_config: Any, device: Any, afd_config: Any, placement: Any):
         self.afd_capture_arm = CaptureArm()  # before super(): the context hook is live from there
+        # The connector's re-formation count when the graphs were recorded; None: no graphs.
+        self._afd_graphs_pairing: int | None = None
         super().__init__(vllm_config, device, afd_config, placement)
         self._afd_cudagraph_manager_cls = bind_cudagraph_manager(self)
 
     @property
     def cudagraph_manager_cls(self) -> type:
         return self._afd_cudagraph_manager_cls
+
+    def capture_model(self, *args: Any, **kwargs: Any) -> int:
+        size = super().capture_model(*args, **kwargs)
+        if self.cudagraph_manager is not None and self.cudagraph_manager.needs_capture():
+            self._afd_graphs_pairing = self.afd_connector.reformations
+        return size
+
+    def execute_model(self, *args: Any, **kwargs: Any) -> Any:
+        self._afd_refresh_graphs()
+        return super().execute_model(*args, **kwargs)
+
+    def _afd_refresh_graphs(self) -> None:
+        """Record the graphs again if the connector re-formed since they were recorded."""
+        if self._afd_graphs_pairing in (None, self.afd_connector.reformations):
+            return
+        self.afd_connector.check_failed()
+        logger.info("AFD attention: re-recording CUDA graphs for the re-formed pairing (re-formation %d)",
+                    self.afd_connector.reformations)
+        self.cudagraph_manager.release_graphs()
+        self.capture_model()
 
     def before_model_forward(self, batch_desc: Any, input_batch: Any, dp_sync: Any,
                              ubatch_state: Any) -> None:

@@ -211,6 +211,7 @@ class AFDConnector:
                     raise rendezvous.timeout_error("creating the data and control channels") from exc
                 raise
             self._latch.check()  # a peer lost while the channels were built
+            rendezvous.wait_for_channels()
             self.timeline = self._make_timeline()
             with self._lock:
                 if self._closed:

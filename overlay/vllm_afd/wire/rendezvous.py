@@ -194,6 +194,17 @@ class Rendezvous:
         compare_fingerprints(fingerprint, fingerprints.values())
         return fingerprints
 
+    def wait_for_channels(self) -> None:
+        """Announce this rank's channels ready, then wait until every rank's are.
+
+        So ``init()`` returns on no rank before the pairing is complete on all: a healed attention
+        rank that admitted a step while another rank of its server still mapped its channels would
+        wait in that step's tensor-parallel collective for a rank that fails it (docs/connection.md#rendezvous).
+        """
+        self._store_call(lambda: self.store.set(self._own_key("ready"), b"1"))
+        keys = [rank_key("ready", role, rank) for role, rank in self.spec.all_ranks()]
+        self.wait_for_keys(keys, "waiting for the other ranks' channels")
+
     def wait_for_keys(self, keys: list[str], stage: str, log_stage: str | None = None) -> None:
         """Poll until every key exists; our own claim is re-checked so a late duplicate fails us too.
 

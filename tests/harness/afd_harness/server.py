@@ -52,12 +52,43 @@ class ServerStartError(RuntimeError):
     """The server exited or did not become healthy in time."""
 
 
-def free_ports(num_ports: int, host: str = "127.0.0.1") -> list[int]:
-    """`num_ports` distinct TCP ports that were free a moment ago (all bound at once)."""
-    sockets = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(num_ports)]
+# Ports are picked below the kernel's ephemeral range: a port picked now is bound by a server seconds
+# to minutes later, and in between any process's connect() or bind to port 0 may be handed an
+# ephemeral one (seen on the H200: an FFN's store port taken while seven servers started).
+PORT_FLOOR = 10000
+PORT_PICK_ATTEMPTS = 1000
+
+
+def _ephemeral_floor() -> int:
     try:
-        for sock in sockets:
-            sock.bind((host, 0))
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as ports:
+            return int(ports.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
+def free_ports(num_ports: int, host: str = "127.0.0.1") -> list[int]:
+    """`num_ports` distinct TCP ports that were free a moment ago (all bound at once), from below the
+    ephemeral range where there is room (else the kernel's pick)."""
+    import random
+
+    ceiling = _ephemeral_floor()
+    pick = random.SystemRandom()
+    sockets: list[socket.socket] = []
+    try:
+        for attempt in range(PORT_PICK_ATTEMPTS + num_ports):
+            if len(sockets) == num_ports:
+                break
+            port = pick.randrange(PORT_FLOOR, ceiling) if ceiling > PORT_FLOOR + 1000 and attempt < PORT_PICK_ATTEMPTS else 0
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            try:
+                sock.bind((host, port))
+            except OSError:
+                sock.close()
+                continue
+            sockets.append(sock)
+        if len(sockets) < num_ports:
+            raise RuntimeError(f"found {len(sockets)} of {num_ports} free TCP ports on {host}")
         return [sock.getsockname()[1] for sock in sockets]
     finally:
         for sock in sockets:
@@ -65,10 +96,8 @@ def free_ports(num_ports: int, host: str = "127.0.0.1") -> list[int]:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago (bind to port 0, read it back)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
+    """A TCP port that was free a moment ago (free_ports)."""
+    return free_ports(1, host)[0]
 
 
 def cpu_server_env(
