@@ -71,14 +71,19 @@ def test_a_captured_graph_stamps_its_slots_at_every_replay():
 
 def test_the_gloo_transport_receives_into_a_gpu_tensor_without_a_host_sync():
     """Pinned staging + a non-blocking copy: the receive does not wait for the GPU (the send must)."""
+    import socket
     import threading
 
-    from torch.distributed import HashStore
+    from torch.distributed import TCPStore
 
     from vllm_afd.wire.placement import Placement
     from vllm_afd.wire.transports.gloo import GlooTransport
 
-    store = HashStore()
+    # A TCP store, as the connector's: the gloo transport binds to the interface that reaches its host.
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    store = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
     ffn = GlooTransport(torch.device("cuda"))
     attention = GlooTransport(torch.device("cuda"))
     opened = [threading.Thread(target=t.open, args=(store, Placement(role, 0, 1, 1, 1, 1), 30.0))
