@@ -79,15 +79,17 @@ def test_the_gloo_transport_receives_into_a_gpu_tensor_without_a_host_sync():
     from vllm_afd.wire.placement import Placement
     from vllm_afd.wire.transports.gloo import GlooTransport
 
-    # A TCP store, as the connector's: the gloo transport binds to the interface that reaches its host.
+    # TCP stores, as the connector's (the gloo transport binds to the interface that reaches the store's
+    # host), one client per rank: two threads on one TCPStore client deadlock in its waits.
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    store = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    stores = [TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False),
+              TCPStore("127.0.0.1", port, is_master=False)]
     ffn = GlooTransport(torch.device("cuda"))
     attention = GlooTransport(torch.device("cuda"))
     opened = [threading.Thread(target=t.open, args=(store, Placement(role, 0, 1, 1, 1, 1), 30.0))
-              for t, role in ((ffn, "ffn"), (attention, "attention"))]
+              for t, role, store in ((ffn, "ffn", stores[0]), (attention, "attention", stores[1]))]
     for thread in opened:
         thread.start()
     for thread in opened:
