@@ -50,11 +50,13 @@ for pin in $PINS; do
     if [ "$pin" = VLLM_PIN ]; then
         "$(venv_of "$pin")/bin/python" -m pytest -m "not e2e" "$@"
     else
-        # tests/patches and tests/ci check our own tools, not vLLM, and tests/connectors the wire
-        # (rendezvous, transports, re-forming: torch only, no vLLM import): once is enough.
+        # tests/patches and tests/ci check our own tools, not vLLM, and tests/connectors and the wire's
+        # state machines in tests/unit (rendezvous, transports, stage order: torch only, no vLLM
+        # import; test_wire_is_vllm_free.py keeps the wire so): once is enough.
         AFD_TINY_MODELS_DIR=$(models_of "$pin") \
             "$(venv_of "$pin")/bin/python" -m pytest -m "not e2e" --ignore tests/patches --ignore tests/ci \
-            --ignore tests/connectors "$@"
+            --ignore tests/connectors --ignore tests/unit/test_stage_ordering.py \
+            --ignore tests/unit/test_ipc_protocol.py --ignore tests/unit/test_connector_machine.py "$@"
     fi
 done
 for pin in $PINS; do
