@@ -52,7 +52,7 @@ CONNECTORS = ("P2pNcclAFDConnector", "P2pGlooAFDConnector", "P2pIpcAFDConnector"
 # What to use instead, in the messages that refuse a connector name.
 CONNECTOR_HINT = ("'P2pNcclAFDConnector' (CUDA, across hosts), 'P2pIpcAFDConnector' (CUDA, one node) or "
                   "'P2pGlooAFDConnector' (CPU, eager)")
-# Known names of the reference's Ascend connectors: rejected with their own message
+# Known names of the Ascend connectors of the reference plugin: rejected with their own message
 # (docs/config.md#validation-order, step 7).
 CAM_CONNECTORS = ("CAMP2pAFDConnector", "CAMAsyncAFDConnector")
 
@@ -67,7 +67,7 @@ ALIASES = {
 
 # Names the reference accepted but which are runtime state here; each gets a targeted hint.
 RUNTIME_ONLY_FIELDS = {
-    # Reference PR #197 removed it after bug #192 double-counted the DP start rank.
+    # Derived at runtime: a configured role rank double-counted the DP start rank (docs/topology.md#role-rank).
     "afd_role_rank": "role ranks are derived at runtime; remove it",
     "rank": "ranks are derived from vLLM's distributed ranks at runtime; remove it",
     "afd_server_rank": "FFN ranks are derived at runtime; remove it",

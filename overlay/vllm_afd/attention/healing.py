@@ -82,7 +82,7 @@ class AttentionHealer:
     def _run(self, cause: BaseException) -> None:
         try:
             # NOTE: the connector re-announces this rank's start-up as done: a healed rank runs no
-            # profile, warm-up or capture, so its steps are timed at once.
+            # profile, and a graph re-capture (attention/runner.py) is timed per exchange like a step.
             pair_again(self.connector, self.reform_timeout_s, cause, peer="the FFN", then=GAVE_UP)
         except BaseException as exc:  # noqa: BLE001 - recorded, then reported by heal() or by terminating
             self._error = exc

@@ -52,7 +52,8 @@ def compute_role_rank(role: str, dp_rank: int, tp_rank: int, tp_size: int, role_
     """``dp_rank * tp_size + tp_rank`` (pcp_size = 1; docs/topology.md#role-rank); ``dp_rank`` is
     vLLM's *global* DP rank.
 
-    Adding the DP start rank again was the reference's bug #192, hence the range check.
+    Adding the DP start rank a second time is a known mistake (docs/topology.md#role-rank), hence the range
+    check.
     """
     _check_role(role)
     role_rank = dp_rank * tp_size + tp_rank
@@ -72,7 +73,7 @@ def afd_rank(role: str, role_rank: int, num_ffn_ranks: int) -> int:
 
 
 def ffn_rank_for_attention(attention_rank: int, num_attention_ranks: int, num_ffn_ranks: int) -> int:
-    """FFN rank serving attention ``j``'s data: ``floor(j * F / A)`` (no divisibility rule, PR #309)."""
+    """FFN rank serving attention ``j``'s data: ``floor(j * F / A)`` (no divisibility rule: docs/config.md, step 10)."""
     _check_sizes(num_attention_ranks, num_ffn_ranks)
     assert 0 <= attention_rank < num_attention_ranks, f"attention rank {attention_rank} not in [0, A)"
     return attention_rank * num_ffn_ranks // num_attention_ranks
