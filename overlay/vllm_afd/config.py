@@ -90,8 +90,10 @@ NUM_STAGES = (1, 2, 3)
 # Every stage count parses; the CUDA attention (Model Runner V2) still refuses num_stages > 1 at
 # worker start (validation.check_features), until issue 13's CUDA step (docs/pingpong.md § 11, step 5).
 IMPLEMENTED_NUM_STAGES = NUM_STAGES
-# The fewest real tokens per stage before a step splits (docs/benchmarks.md, micro-batch stages on CPU).
-DEFAULT_MIN_TOKENS_PER_STAGE = 1
+# The fewest real tokens per stage before a step splits. NOTE: 4 from the CPU stage benchmark
+# (docs/benchmarks.md, "Side by side, settled"): stages of 1-2 tokens ran 0.90-0.96x one stage, 4 and more
+# 1.25-1.32x; each stage pays the weight reads and an exchange again.
+DEFAULT_MIN_TOKENS_PER_STAGE = 4
 
 _TRUE_WORDS = frozenset({"1", "true", "yes", "on"})
 _FALSE_WORDS = frozenset({"0", "false", "no", "off"})

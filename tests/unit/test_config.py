@@ -161,7 +161,7 @@ def test_unknown_field_message_lists_the_valid_fields_and_a_close_match():
 def test_defaults_match_the_spec_table():
     assert AFDConfig.from_mapping({}).to_mapping() == dict(
         role="attention", connector="P2pNcclAFDConnector", host="127.0.0.1", port=1239, num_attention_ranks=1,
-        num_ffn_ranks=1, compute_gate_on_attention=False, num_stages=1, min_tokens_per_stage=1,
+        num_ffn_ranks=1, compute_gate_on_attention=False, num_stages=1, min_tokens_per_stage=4,
         connector_extra_config={}, rendezvous_timeout_s=300.0,
         step_timeout_s=120.0, peer_timeout_s=5.0, reform_timeout_s=600.0, timeline_dir="",
     )
