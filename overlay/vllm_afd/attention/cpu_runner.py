@@ -64,9 +64,11 @@ class AFDCPUAttentionModelRunner(AFDAttentionRunnerMixin, CPUModelRunner):
                                     min_tokens_per_stage=self.afd_min_tokens_per_stage, allowed=allowed)
             if not allowed and count == 1 and stages_for_step(
                     self.afd_num_stages, kwargs["num_tokens"], min_tokens_per_stage=self.afd_min_tokens_per_stage) > 1:
-                # NOTE: the evidence the prefix-hit e2e case reads (tests/e2e/test_afd_stages.py); rare by nature.
-                logger.info("AFD CPU attention: vLLM vetoed splitting a step of %d tokens (a prefix-cache reader and "
-                            "its writer in one batch, _allow_microbatching); it runs as 1 stage", kwargs["num_tokens"])
+                # NOTE: the evidence the prefix-hit e2e case reads (tests/e2e/test_afd_stages.py); once per step size,
+                # since a shared prompt prefix under load can make it frequent.
+                logger.info_once("AFD CPU attention: vLLM vetoed splitting a step of %d tokens (a prefix-cache reader "
+                                 "and its writer in one batch, _allow_microbatching); it runs as 1 stage",
+                                 kwargs["num_tokens"])
             should_ubatch = count > 1
         return mode, desc, should_ubatch, tokens_across_dp, stats
 
