@@ -42,6 +42,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "overlay"))
 import stage_model  # noqa: E402
+from vllm_afd.config import DEFAULT_MIN_TOKENS_PER_STAGE  # noqa: E402
 from vllm_afd.wire.timeline import StepRecord  # noqa: E402
 
 from afd_harness.afd import AFDDeployment  # noqa: E402
@@ -91,9 +92,21 @@ def busy_cpu_seconds() -> float:
     return (sum(fields) - fields[3] - fields[4]) / CLK_TCK
 
 
+# `--prompt-tokens`: that many token ids per request, different per request of a batch (each decodes over its
+# own KV), the same from sample to sample (vLLM's prefix cache then makes every prefill after the warm-up cheap).
+PROMPT_TOKENS = {"n": 0}
+
+
+def prompts(batch: int) -> list:
+    n = PROMPT_TOKENS["n"]
+    if not n:
+        return [PROMPT] * batch
+    return [[16 + (7 * i + 31 * r) % 480 for i in range(n)] for r in range(batch)]
+
+
 def timed_request(base_url: str, batch: int, max_tokens: int) -> float:
     started = time.perf_counter()
-    complete_batch(base_url, [PROMPT] * batch, max_tokens, ignore_eos=True)
+    complete_batch(base_url, prompts(batch), max_tokens, ignore_eos=True)
     return time.perf_counter() - started
 
 
@@ -269,11 +282,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--arch", default="qwen3_moe")
     parser.add_argument("--batch-sizes", default="1,8")
     parser.add_argument("--decode-tokens", type=int, default=48)
+    parser.add_argument("--prompt-tokens", type=int, default=0,
+                        help="prompts of this many token ids instead of a short sentence (context length)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--num-stages", type=int, nargs="+", default=[1], choices=(1, 2, 3),
                         help="one AFD deployment per micro-batch stage count (docs/pingpong.md)")
     parser.add_argument("--min-tokens-per-stage", type=int, default=None,
-                        help="AFD min_tokens_per_stage for the staged deployments (docs/config.md)")
+                        help="AFD min_tokens_per_stage for the staged deployments (docs/config.md; default: the config's)")
     parser.add_argument("--pin-processes", action="store_true",
                         help="pin every process of a role (API server, engine core) to its core, not only the worker")
     parser.add_argument("--plain-2-cores", action="store_true", help="also plain vLLM with OpenMP on both cores")
@@ -286,12 +301,14 @@ def main(argv: list[str] | None = None) -> int:
     num_stages = sorted(set(args.num_stages))
     if args.min_tokens_per_stage is not None and args.min_tokens_per_stage < 1:
         parser.error(f"--min-tokens-per-stage must be >= 1, got {args.min_tokens_per_stage}")
+    PROMPT_TOKENS["n"] = args.prompt_tokens
 
     model = build_tiny_model(args.arch, REPO / "models" / args.arch)
     env = serve_env(model)
     # --load-format dummy for weight-less recipes; NOTE: the harness's CPU default is --max-num-seqs 8, which
     # would run a batch of 16 as two waves of 8 (as the runs before 2026-12-02 08:20 did).
-    serve_args = [*read_recipe(model)["serve_args"], "--max-num-seqs", str(max(batch_sizes))]
+    serve_args = [*read_recipe(model)["serve_args"], "--max-num-seqs", str(max(batch_sizes)),
+                  "--max-model-len", str(max(512, args.prompt_tokens + args.decode_tokens + 64))]
     logs = Path(tempfile.mkdtemp(prefix="afd-bench-"))
     print(f"logs and timelines: {logs}", flush=True)
     targets: list[Target] = []
@@ -320,10 +337,12 @@ def main(argv: list[str] | None = None) -> int:
         run_rounds(targets, batch_sizes, args.decode_tokens, args.repeats, args.settle_s)
 
     pinned = ", every process of a role pinned to its core" if args.pin_processes else ""
-    title = (f"Decode throughput, {args.arch}, {args.decode_tokens} decode tokens, median of {args.repeats} "
+    pinned += f", min_tokens_per_stage {args.min_tokens_per_stage or DEFAULT_MIN_TOKENS_PER_STAGE}"
+    context = f", {args.prompt_tokens}-token prompts" if args.prompt_tokens else ""
+    title = (f"Decode throughput, {args.arch}{context}, {args.decode_tokens} decode tokens, median of {args.repeats} "
              f"interleaved rounds{pinned} ({datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, "
              f"load at end {os.getloadavg()[0]:.2f})")
-    lines = report(targets, batch_sizes, title, args.min_tokens_per_stage or 1)
+    lines = report(targets, batch_sizes, title, args.min_tokens_per_stage or DEFAULT_MIN_TOKENS_PER_STAGE)
     print("\n".join(lines))
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
