@@ -106,3 +106,43 @@ def test_a_record_without_its_receives_is_refused_with_the_fix():
 
     with pytest.raises(ValueError, match="expected one of each per exchange"):
         stage_model.exchange_costs(cut, ffn)
+
+
+def test_the_bench_report_prints_each_ratio_next_to_its_prediction(tmp_path):
+    """scripts/bench_afd_cpu.py's table from scripted timelines: the prediction comes from the 1-stage costs."""
+    import json
+
+    import bench_afd_cpu
+
+    targets = [bench_afd_cpu.Target("plain 1 core", "", {}),
+               bench_afd_cpu.Target("AFD 1 stage", "", {}, num_stages=1, timeline=tmp_path / "1"),
+               bench_afd_cpu.Target("AFD 2 stages", "", {}, num_stages=2, timeline=tmp_path / "2")]
+    for target, rate, stages in zip(targets, (100.0, 80.0, 100.0), (None, 1, 2)):
+        for batch in (4, 8):
+            target.tok_s[batch] = [rate * batch / 8]
+            target.windows[batch] = [(-1, 1)]
+            target.cpu[batch] = [{"attention/VLLM::Worker": 0.5}]
+        if stages is not None:
+            target.timeline.mkdir()
+            for role, index in (("attention", 0), ("ffn", 1)):
+                lines = []
+                for batch in (4, 8):
+                    record = staged_step(a_us=100 * batch // stages, f_us=50 * batch // stages, wire_us=100,
+                                         layers=3, stages=stages)[index].to_json()
+                    lines.append(json.dumps({**record, "rows": batch, "step_seq": batch}))
+                (target.timeline / f"{role}-0.jsonl").write_text("\n".join(lines) + "\n")
+
+    text = "\n".join(bench_afd_cpu.report(targets, [4, 8], "title", min_tokens_per_stage=4))
+
+    # Batch 4 never splits with 4 tokens per stage (predicted 1.00); batch 8 does: its 100 ms step keeps its host
+    # share and re-simulates 3 layers at 4 tokens per stage (3.9 -> 3.1 ms), a prediction of 1.01.
+    assert "| 4 | 50.0 | 40.0 | 50.0 | 1.25 (1.00) | 0.80 | 1.00 |" in text
+    assert "| 8 | 100.0 | 80.0 | 100.0 | 1.25 (1.01) | 0.80 | 1.00 |" in text
+    assert "a = 0.000 + 0.1000·n, f = 0.000 + 0.0500·n, t = 0.100 + 0.0000·n" in text
+    # A schedule the simulator would produce is measured back as its own prediction, staged or not.
+    detail = [line.split(" | ") for line in text.splitlines() if line.startswith(("| 4 | ", "| 8 | ")) and "(" in line
+              and "÷" not in line and line.count("|") > 9]
+    assert len(detail) == 4
+    for cells in detail:
+        measured, predicted = cells[7].rstrip(")").split(" (")
+        assert measured == predicted, cells
