@@ -159,6 +159,15 @@ def test_mrv2_builds_its_micro_batch_runner_and_builders_through_the_runner(pinn
     assert "self.num_ubatches = num_ubatches or self.parallel_config.num_ubatches" in ast.unparse(runner_init)
 
 
+def test_mrv2_micro_batch_contexts_carry_dp_metadata_only_where_set_forward_context_builds_it(pinned_tree: Path) -> None:
+    """`mrv2-ubatch-fix-dp1-contexts`: DPMetadata.make asserts DP > 1 or sequence-parallel MoE, so the
+    micro-batch contexts build it under set_forward_context's own condition (unchanged at DP > 1)."""
+    source = ast.unparse(find_def(parse(pinned_tree, UBATCH), "UBatchRunner._make_forward_contexts"))
+
+    assert ("dp_metadata=DPMetadata.make(self.parallel_config, num_tokens, num_tokens_across_dp) if dp_size > 1 "
+            "or self.parallel_config.use_sequence_parallel_moe else None") in source
+
+
 V1_RUNNER = "vllm/v1/worker/gpu_model_runner.py"
 
 

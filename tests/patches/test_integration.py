@@ -153,7 +153,7 @@ def test_second_pin_builds_both_flavors_at_zero_fuzz(run, tmp_path):
 
     built = sorted(p.name for p in tmp_path.glob("*.whl"))
     assert code == 0, out
-    assert out.count("OK: 21 patches, 64 hunks (64 exact) on vllm") == 2
+    assert out.count("OK: 22 patches, 65 hunks (65 exact) on vllm") == 2
     assert [name.split("-")[:2] for name in built] == [["vllm", built[0].split("-")[1]],
                                                        ["vllm_cpu", built[0].split("-")[1]]]
     assert built[0].split("-")[1].startswith("0.32.0+afd.g")
