@@ -1,57 +1,261 @@
 #!/usr/bin/env python3
-"""Decode throughput of AFD ÷ plain vLLM on this CPU, measured side by side in one run.
+"""Decode throughput of AFD ÷ plain vLLM on this CPU, and k micro-batch stages ÷ 1, measured side by side.
 
-Both deployments serve the same tiny model with the same patched vLLM, alternately and for
-the same requests (greedy, `ignore_eos`): plain vLLM on one core, AFD as an FFN and an
-attention server on one core each.  Decode time is the wall time of a request for
-`1 + num_decode_tokens` tokens minus that of a 1-token request (the prefill), so
-decode tok/s = batch × num_decode_tokens / decode time.  Each cell is the median of
-`--repeats` runs.  Writes a markdown table and a PNG plot (with `--out DIR`); the per-layer
-round trip ÷ raw gloo ping-pong comes from scripts/bench_gloo_roundtrip.py.  `--num-stages 1 2 3`
-measures one AFD deployment per micro-batch stage count (docs/pingpong.md) and prints each against
-1 stage and against plain vLLM; the stage goal (2 ÷ 1 >= 1.15) needs a model whose per-layer compute
-exceeds the transport, e.g. `--arch qwen3_moe_1k_4l` (dummy weights).
+All deployments are started first and stay up: plain vLLM on one core (and, with `--plain-2-cores`,
+on both), and one AFD deployment (an FFN and an attention server, one core each) per stage count of
+`--num-stages`.  Then each round sends every batch size to every deployment in turn, one request at a
+time, the order rotating from round to round, so a slow minute of this shared machine lands on every
+deployment alike and the ratios are of samples taken side by side (before, each deployment was
+measured in a block of its own and deployment-to-deployment drift was ±10–15 %).  Decode time is the
+wall time of a request for `1 + num_decode_tokens` tokens minus that of a 1-token request (the
+prefill), so decode tok/s = batch × num_decode_tokens / decode time; each cell is the median of
+`--repeats` rounds.  Greedy, `ignore_eos`.
 
-    python scripts/bench_afd_cpu.py [--arch qwen3_moe] [--batch-sizes 1,8] [--num-stages 1 2 3] [--out docs/bench]
+With more than one stage count every AFD deployment records its per-layer timeline (docs/timeline.md),
+and the script prints, per batch and count: the measured k ÷ 1 ratio next to the one docs/pingpong.md
+§ 10 predicts from the 1-stage costs (scripts/stage_model.py: a, f, t fitted over the batch sizes,
+the layers simulated at n/k tokens per stage), the per-exchange a, f, t the k-stage run measured, each
+role's busy share from the timeline, and the CPU share of each role's processes (/proc: the worker,
+the engine core, the API server) — the places a bubble hides.  `--pin-processes` pins every process of
+a role to its core (otherwise only the workers' OpenMP threads are, and the engine core and API server
+float).  The model must have per-layer compute >= transport: `--arch qwen3_moe_1k_4l` (dummy weights).
+
+    python scripts/bench_afd_cpu.py --arch qwen3_moe_1k_4l --batch-sizes 1,8,16,32 --num-stages 1 2 3 \\
+        [--pin-processes] [--plain-2-cores] [--min-tokens-per-stage N] [--out docs/bench]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
+import json
+import os
 import statistics
 import sys
 import tempfile
 import time
+from collections import defaultdict
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from afd_harness.afd import AFDDeployment
-from afd_harness.server import VllmServer, complete_batch, cpu_server_env
-from afd_harness.tiny_models import build_tiny_model, read_recipe, serve_env
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "overlay"))
+import stage_model  # noqa: E402
+from vllm_afd.config import DEFAULT_MIN_TOKENS_PER_STAGE  # noqa: E402
+from vllm_afd.wire.timeline import StepRecord  # noqa: E402
+
+from afd_harness.afd import AFDDeployment  # noqa: E402
+from afd_harness.server import VllmServer, complete_batch, cpu_server_env  # noqa: E402
+from afd_harness.tiny_models import build_tiny_model, read_recipe, serve_env  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPT = "The experts of a mixture route each token to"
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+@dataclass
+class Target:
+    """One deployment under measurement: where to send requests, whose CPU time to read, its timeline."""
+
+    label: str
+    base_url: str
+    groups: dict[str, int]  # role -> process group id
+    num_stages: int | None = None  # None: plain vLLM
+    timeline: Path | None = None
+    tok_s: dict[int, list[float]] = field(default_factory=lambda: defaultdict(list))
+    windows: dict[int, list[tuple[int, int]]] = field(default_factory=lambda: defaultdict(list))
+    cpu: dict[int, list[dict[str, float]]] = field(default_factory=lambda: defaultdict(list))
+
+
+def cpu_seconds(groups: dict[str, int]) -> dict[str, float]:
+    """CPU seconds (user + system, exited threads included) per "<group name>/<process name>"."""
+    names = {pgid: name for name, pgid in groups.items()}
+    totals: dict[str, float] = defaultdict(float)
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue  # exited meanwhile
+        fields = stat[stat.rindex(")") + 2:].split()
+        group = names.get(int(fields[2]))  # field 5 of stat: pgrp
+        if group is not None:
+            totals[f"{group}/{stat[stat.index('(') + 1:stat.rindex(')')]}"] += (int(fields[11]) + int(fields[12])) / CLK_TCK
+    return totals
+
+
+def busy_cpu_seconds() -> float:
+    """CPU seconds the whole machine spent busy since boot (/proc/stat: all but idle and iowait)."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    return (sum(fields) - fields[3] - fields[4]) / CLK_TCK
+
+
+# `--prompt-tokens`: that many token ids per request, different per request of a batch (each decodes over its
+# own KV), the same from sample to sample (vLLM's prefix cache then makes every prefill after the warm-up cheap).
+PROMPT_TOKENS = {"n": 0}
+
+
+def prompts(batch: int) -> list:
+    n = PROMPT_TOKENS["n"]
+    if not n:
+        return [PROMPT] * batch
+    return [[16 + (7 * i + 31 * r) % 480 for i in range(n)] for r in range(batch)]
 
 
 def timed_request(base_url: str, batch: int, max_tokens: int) -> float:
     started = time.perf_counter()
-    complete_batch(base_url, [PROMPT] * batch, max_tokens, ignore_eos=True)
+    complete_batch(base_url, prompts(batch), max_tokens, ignore_eos=True)
     return time.perf_counter() - started
 
 
-def decode_tok_s(base_url: str, batch: int, num_decode_tokens: int, repeats: int) -> float:
-    timed_request(base_url, batch, 1 + num_decode_tokens)  # warm this shape
-    samples = []
-    for _ in range(repeats):
-        full = timed_request(base_url, batch, 1 + num_decode_tokens)
-        prefill = timed_request(base_url, batch, 1)
-        samples.append(batch * num_decode_tokens / max(full - prefill, 1e-6))
-    return statistics.median(samples)
+def sample(target: Target, batch: int, num_decode_tokens: int, everyone: dict[str, int]) -> None:
+    """One decode sample: a full request (its window and CPU shares recorded), then a prefill-only one.
+
+    `everyone`: the process groups of every deployment; the machine's busy CPU beyond theirs is other jobs'
+    ("other jobs" in the CPU column), which this shared machine's benchmarks must show next to each number.
+    """
+    before, machine = cpu_seconds(everyone), busy_cpu_seconds()
+    start_ns = time.perf_counter_ns()
+    full = timed_request(target.base_url, batch, 1 + num_decode_tokens)
+    target.windows[batch].append((start_ns, time.perf_counter_ns()))
+    after, machine = cpu_seconds(everyone), busy_cpu_seconds() - machine
+    own = {name: after[name] - before.get(name, 0.0) for name in after}
+    mine = {name.removeprefix(f"{target.label}:"): seconds / full for name, seconds in own.items()
+            if name.startswith(f"{target.label}:")}
+    mine["other jobs"] = max(0.0, machine - sum(own.values())) / full
+    target.cpu[batch].append(mine)
+    prefill = timed_request(target.base_url, batch, 1)
+    target.tok_s[batch].append(batch * num_decode_tokens / max(full - prefill, 1e-6))
 
 
-def measure(base_url: str, batch_sizes: list[int], num_decode_tokens: int,
-            repeats: int) -> dict[int, float]:
-    return {b: decode_tok_s(base_url, b, num_decode_tokens, repeats) for b in batch_sizes}
+def run_rounds(targets: list[Target], batch_sizes: list[int], num_decode_tokens: int, repeats: int,
+               settle_s: float) -> None:
+    """Every batch on every target per round, the target order rotated each round; one request at a time.
+
+    NOTE: `settle_s` between targets: after a step, vLLM's engine core keeps polling its worker's shm queue
+    with sched_yield for 1 s (shm_broadcast.SpinCondition, busy_loop_s), so the deployment measured just
+    before would take a core from the next one (the FFN's with plain vLLM first, the attention's with AFD
+    first: the 1-stage deployment ran 15 % faster at batch 1 than the staged ones, which never split it).
+    """
+    everyone = {f"{t.label}:{role}": pgid for t in targets for role, pgid in t.groups.items()}
+    for target in targets:
+        for batch in batch_sizes:
+            timed_request(target.base_url, batch, 1 + num_decode_tokens)  # warm this shape
+    for round_index in range(repeats):
+        for batch in batch_sizes:
+            shift = (round_index + batch_sizes.index(batch)) % len(targets)
+            for target in targets[shift:] + targets[:shift]:
+                time.sleep(settle_s)
+                sample(target, batch, num_decode_tokens, everyone)
+        print(f"round {round_index + 1}/{repeats} done ({time.strftime('%H:%M:%S')}, load "
+              f"{os.getloadavg()[0]:.2f})", flush=True)
+
+
+def timeline_costs(target: Target, batch: int) -> stage_model.ExchangeCosts | None:
+    """Median per-exchange costs of the target's decode steps of `batch` rows inside its measured windows."""
+    if target.timeline is None:
+        return None
+
+    def records(role: str) -> list[StepRecord]:
+        path = target.timeline / f"{role}-0.jsonl"
+        if not path.exists():
+            return []
+        return [StepRecord.from_json(json.loads(line)) for line in path.read_text().splitlines() if line]
+
+    windows = target.windows[batch]
+    ffn = {r.step_seq: r for r in records("ffn")}
+    steps = [r for r in records("attention")
+             if r.rows == batch and r.marks and not (r.warmup or r.profile) and r.step_seq in ffn
+             and any(lo <= r.opened_ns <= hi for lo, hi in windows)]
+    if not steps:
+        return None
+    return stage_model.median_costs(stage_model.exchange_costs(r, ffn[r.step_seq]) for r in steps)
+
+
+def step_ms(target: Target, batch: int) -> float:
+    """Median host time between consecutive decode steps of `batch` rows in the target's windows (attention)."""
+    if target.timeline is None or not (target.timeline / "attention-0.jsonl").exists():
+        return float("nan")
+    records = [StepRecord.from_json(json.loads(line))
+               for line in (target.timeline / "attention-0.jsonl").read_text().splitlines() if line]
+    by_seq = {r.step_seq: r for r in records if r.rows == batch
+              and any(lo <= r.opened_ns <= hi for lo, hi in target.windows[batch])}
+    return median([(by_seq[s + 1].opened_ns - r.opened_ns) / 1e6 for s, r in by_seq.items() if s + 1 in by_seq])
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def cpu_shares(target: Target, batch: int) -> str:
+    """Median CPU share (cores) of each process kind over the target's samples of `batch`, largest first."""
+    names = {name for sample_ in target.cpu[batch] for name in sample_}
+    shares = {name: median([s.get(name, 0.0) for s in target.cpu[batch]]) for name in names}
+    return ", ".join(f"{name} {share:.2f}" for name, share in sorted(shares.items(), key=lambda kv: -kv[1])
+                     if share >= 0.02)
+
+
+def stages_run(num_stages: int, batch: int, min_tokens_per_stage: int) -> int:
+    """The stages a decode step of `batch` requests runs (attention/stages.py:stages_for_step, vLLM-free copy)."""
+    return num_stages if batch >= num_stages * min_tokens_per_stage else 1
+
+
+def report(targets: list[Target], batch_sizes: list[int], title: str, min_tokens_per_stage: int) -> list[str]:
+    """Markdown: tok/s per target, AFD k ÷ 1 measured vs predicted, ÷ plain; then the per-exchange detail."""
+    plain = [t for t in targets if t.num_stages is None]
+    afd = {t.num_stages: t for t in targets if t.num_stages is not None}
+    stages = sorted(afd)
+    rate = {t.label: {b: median(t.tok_s[b]) for b in batch_sizes} for t in targets}
+    costs = {(k, b): timeline_costs(afd[k], b) for k in stages for b in batch_sizes}
+    one = [(b, costs[(1, b)]) for b in batch_sizes if 1 in afd and costs[(1, b)] is not None]
+    fits = (stage_model.fit_linear([(b, c.a) for b, c in one]), stage_model.fit_linear([(b, c.f) for b, c in one]),
+            stage_model.fit_linear([(b, c.t) for b, c in one])) if one else None
+    split = [k for k in stages if k > 1 and 1 in afd]
+    head = ["batch", *[f"{t.label} tok/s" for t in targets],
+            *[f"{k} ÷ 1 stage (predicted)" for k in split], *[f"{k} ÷ {plain[0].label}" for k in stages if plain]]
+    lines = [title, "", "| " + " | ".join(head) + " |", "|" + "---:|" * len(head)]
+    for b in batch_sizes:
+        cells = [str(b), *[f"{rate[t.label][b]:.1f}" for t in targets]]
+        for k in split:
+            measured = rate[afd[k].label][b] / rate[afd[1].label][b]
+            predicted = "—"
+            c1, ran = costs[(1, b)], stages_run(k, b, min_tokens_per_stage)
+            if fits is not None and c1 is not None:
+                step_1 = 1000.0 * b / rate[afd[1].label][b]
+                predicted = f"{step_1 / stage_model.predicted_step_ms(step_1, fits, b, c1.num_layers, ran):.2f}"
+            cells.append(f"{measured:.2f} ({predicted})")
+        cells += [f"{rate[afd[k].label][b] / rate[plain[0].label][b]:.2f}" for k in stages if plain]
+        lines.append("| " + " | ".join(cells) + " |")
+    if fits is not None:
+        lines += ["", "1-stage costs per exchange, ms, fitted over the batch sizes (docs/pingpong.md § 10): "
+                  + ", ".join(f"{name} = {fit.fixed:.3f} + {fit.per_token:.4f}·n"
+                              for name, fit in zip(("a", "f", "t"), fits))]
+    lines += ["", "Per decode step of the timeline (medians; a, f, t per exchange; layers = first send to last "
+              "receive, predicted from the 1-stage fits; host = step - layers: scheduling, sampling, the first "
+              "stage's first attention, the head):", "",
+              "| batch | stages | a ms | f ms | t ms | attention busy | FFN busy | layers ms (predicted) | step ms | "
+              "host ms | CPU cores by process |", "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for b in batch_sizes:
+        for k in stages:
+            c = costs[(k, b)]
+            if c is None:
+                lines.append(f"| {b} | {k} | — | — | — | — | — | — | — | — | {cpu_shares(afd[k], b)} |")
+                continue
+            predicted, ran, step = "—", c.num_stages, step_ms(afd[k], b)
+            if fits is not None:
+                n = b / ran  # the span starts at the first send: without the first stage's first attention
+                layers = stage_model.simulate_layers(fits[0](n), fits[1](n), fits[2](n), c.num_layers, ran) - fits[0](n)
+                predicted = f"{layers:.2f}"
+            lines.append(f"| {b} | {k}{'' if ran == k else f' (ran {ran})'} | {c.a:.3f} | {c.f:.3f} | {c.t:.3f} | "
+                         f"{c.attention_busy:.2f} | {c.ffn_busy:.2f} | {c.layers_ms:.2f} ({predicted}) | {step:.2f} | "
+                         f"{step - c.layers_ms:.2f} | {cpu_shares(afd[k], b)} |")
+    for t in plain:
+        lines.append("")
+        lines.append(f"{t.label}, CPU cores by process: "
+                     + "; ".join(f"batch {b}: {cpu_shares(t, b)}" for b in batch_sizes))
+    return lines
 
 
 def write_plot(rows: list[tuple[int, float, float]], path: Path) -> None:
@@ -73,62 +277,79 @@ def write_plot(rows: list[tuple[int, float, float]], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
-def stage_table(title: str, batch_sizes: list[int], plain: dict[int, float],
-                afd: dict[int, dict[int, float]]) -> list[str]:
-    """Markdown: tok/s of plain and of AFD per stage count, then each count ÷ 1 stage and ÷ plain."""
-    stages = sorted(afd)
-    head = ["batch", "plain vLLM tok/s", *[f"AFD {k} stage{'s' if k > 1 else ''} tok/s" for k in stages],
-            *[f"{k} ÷ 1 stage" for k in stages if k > 1 and 1 in afd], *[f"{k} ÷ plain" for k in stages]]
-    rows = []
-    for b in batch_sizes:
-        cells = [str(b), f"{plain[b]:.1f}", *[f"{afd[k][b]:.1f}" for k in stages],
-                 *[f"{afd[k][b] / afd[1][b]:.2f}" for k in stages if k > 1 and 1 in afd],
-                 *[f"{afd[k][b] / plain[b]:.2f}" for k in stages]]
-        rows.append("| " + " | ".join(cells) + " |")
-    return [title, "", "| " + " | ".join(head) + " |", "|" + "---:|" * len(head), *rows]
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", default="qwen3_moe")
     parser.add_argument("--batch-sizes", default="1,8")
     parser.add_argument("--decode-tokens", type=int, default=48)
+    parser.add_argument("--prompt-tokens", type=int, default=0,
+                        help="prompts of this many token ids instead of a short sentence (context length)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--num-stages", type=int, nargs="+", default=[1], choices=(1, 2, 3),
                         help="one AFD deployment per micro-batch stage count (docs/pingpong.md)")
-    parser.add_argument("--out", type=Path, help="write bench-afd-cpu.md and .png here")
+    parser.add_argument("--min-tokens-per-stage", type=int, default=None,
+                        help="AFD min_tokens_per_stage for the staged deployments (docs/config.md; default: the config's)")
+    parser.add_argument("--pin-processes", action="store_true",
+                        help="pin every process of a role (API server, engine core) to its core, not only the worker")
+    parser.add_argument("--plain-2-cores", action="store_true", help="also plain vLLM with OpenMP on both cores")
+    parser.add_argument("--settle-s", type=float, default=1.5,
+                        help="pause before each sample, so the previous deployment's engine core stops polling")
+    parser.add_argument("--no-timeline", action="store_true", help="do not record the AFD timelines")
+    parser.add_argument("--out", type=Path, help="write bench-afd-cpu.md (and a PNG for one stage) here")
     args = parser.parse_args(argv)
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     num_stages = sorted(set(args.num_stages))
+    if args.min_tokens_per_stage is not None and args.min_tokens_per_stage < 1:
+        parser.error(f"--min-tokens-per-stage must be >= 1, got {args.min_tokens_per_stage}")
+    PROMPT_TOKENS["n"] = args.prompt_tokens
 
     model = build_tiny_model(args.arch, REPO / "models" / args.arch)
     env = serve_env(model)
-    serve_args = read_recipe(model)["serve_args"]  # --load-format dummy for weight-less recipes
+    # --load-format dummy for weight-less recipes; NOTE: the harness's CPU default is --max-num-seqs 8, which
+    # would run a batch of 16 as two waves of 8 (as the runs before 2026-12-02 08:20 did).
+    serve_args = [*read_recipe(model)["serve_args"], "--max-num-seqs", str(max(batch_sizes)),
+                  "--max-model-len", str(max(512, args.prompt_tokens + args.decode_tokens + 64))]
     logs = Path(tempfile.mkdtemp(prefix="afd-bench-"))
-    with VllmServer(model, python=sys.executable, launcher="cli", log_path=logs / "plain.log",
-                    env={**cpu_server_env(omp_cpus="0"), **env}, extra_args=serve_args) as plain:
-        plain_tok_s = measure(plain.base_url, batch_sizes, args.decode_tokens, args.repeats)
-    afd_tok_s = {}
-    for k in num_stages:
-        (logs / f"stages-{k}").mkdir()
-        with AFDDeployment(model, python=sys.executable, log_dir=logs / f"stages-{k}", env=env,
-                           afd_fields={"num_stages": k}, attention_args=serve_args, ffn_args=serve_args) as afd:
-            afd_tok_s[k] = measure(afd.attention.base_url, batch_sizes, args.decode_tokens, args.repeats)
+    print(f"logs and timelines: {logs}", flush=True)
+    targets: list[Target] = []
+    with contextlib.ExitStack() as stack:
+        plains = [("plain 1 core", "0")] + ([("plain 2 cores", "0-1")] if args.plain_2_cores else [])
+        for label, cpus in plains:
+            prefix = ("taskset", "-c", cpus) if args.pin_processes else ()
+            server = stack.enter_context(VllmServer(
+                model, python=sys.executable, launcher="cli", log_path=logs / f"{label.replace(' ', '-')}.log",
+                env={**cpu_server_env(omp_cpus=cpus), **env}, extra_args=serve_args, command_prefix=prefix))
+            targets.append(Target(label, server.base_url, {"plain": server.pgid}))
+        for k in num_stages:
+            log_dir = logs / f"stages-{k}"
+            fields: dict[str, object] = {"num_stages": k}
+            if args.min_tokens_per_stage is not None and k > 1:
+                fields["min_tokens_per_stage"] = args.min_tokens_per_stage
+            if not args.no_timeline and len(num_stages) > 1:
+                fields["timeline_dir"] = str(log_dir / "timeline")
+            afd = stack.enter_context(AFDDeployment(
+                model, python=sys.executable, log_dir=log_dir, env=env, afd_fields=fields,
+                attention_args=serve_args, ffn_args=serve_args, pin_processes=args.pin_processes))
+            targets.append(Target(f"AFD {k} stage{'s' if k > 1 else ''}", afd.attention.base_url,
+                                  {"attention": afd.attention.pgid, "ffn": afd.ffn.pgid}, num_stages=k,
+                                  timeline=log_dir / "timeline" if "timeline_dir" in fields else None))
+        print(f"{len(targets)} deployments up ({time.strftime('%H:%M:%S')}, load {os.getloadavg()[0]:.2f})", flush=True)
+        run_rounds(targets, batch_sizes, args.decode_tokens, args.repeats, args.settle_s)
 
-    title = (f"Decode throughput, {args.arch}, {args.decode_tokens} decode tokens, median of "
-             f"{args.repeats} ({datetime.date.today().isoformat()})")
-    if num_stages == [1]:
-        rows = [(b, plain_tok_s[b], afd_tok_s[1][b]) for b in batch_sizes]
-        lines = [title, "", "| batch | plain vLLM tok/s | AFD tok/s | AFD ÷ plain |", "|---:|---:|---:|---:|",
-                 *[f"| {b} | {p:.1f} | {a:.1f} | {a / p:.2f} |" for b, p, a in rows]]
-    else:
-        rows, lines = [], stage_table(title, batch_sizes, plain_tok_s, afd_tok_s)
+    pinned = ", every process of a role pinned to its core" if args.pin_processes else ""
+    pinned += f", min_tokens_per_stage {args.min_tokens_per_stage or DEFAULT_MIN_TOKENS_PER_STAGE}"
+    context = f", {args.prompt_tokens}-token prompts" if args.prompt_tokens else ""
+    title = (f"Decode throughput, {args.arch}{context}, {args.decode_tokens} decode tokens, median of {args.repeats} "
+             f"interleaved rounds{pinned} ({datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, "
+             f"load at end {os.getloadavg()[0]:.2f})")
+    lines = report(targets, batch_sizes, title, args.min_tokens_per_stage or DEFAULT_MIN_TOKENS_PER_STAGE)
     print("\n".join(lines))
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "bench-afd-cpu.md").write_text("\n".join(lines) + "\n")
-        if rows:
-            write_plot(rows, args.out / "bench-afd-cpu.png")
+        if num_stages == [1]:
+            write_plot([(b, median(targets[0].tok_s[b]), median(targets[-1].tok_s[b])) for b in batch_sizes],
+                       args.out / "bench-afd-cpu.png")
     return 0
 
 

@@ -68,7 +68,7 @@ def breakdown(ranks: dict[str, list[StepRecord]]) -> list[dict[str, Any]]:
     rows = []
     for (replay, num_rows), records in sorted(groups.items()):
         ffn = [ffn_by_seq[r.step_seq] for r in records if r.step_seq in ffn_by_seq]
-        layers = len(records[0].round_trips_ns()) or 1
+        layers = len({m.exchange for m in records[0].marks}) or 1  # crossing layers, whatever the stages
         periods = _step_periods(attention, {r.step_seq for r in records})
         row = {
             "kind": "graph replay" if replay else "eager", "rows": num_rows, "steps": len(records),

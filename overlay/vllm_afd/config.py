@@ -31,6 +31,7 @@ __all__ = [
     "CONNECTOR_HINT",
     "FIELD_NAMES",
     "GRAPH_FIELDS",
+    "DEFAULT_MIN_TOKENS_PER_STAGE",
     "NUM_STAGES",
     "ROLES",
     "RUNTIME_ONLY_FIELDS",
@@ -85,6 +86,10 @@ GRAPH_FIELDS = (
 
 # Micro-batch stages per step a config may name (docs/pingpong.md).
 NUM_STAGES = (1, 2, 3)
+# The fewest real tokens per stage before a step splits. NOTE: 4 from the CPU stage benchmark
+# (docs/benchmarks.md, "Side by side, settled"): stages of 1-2 tokens ran 0.90-0.96x one stage, 4 and more
+# 1.25-1.32x; each stage pays the weight reads and an exchange again.
+DEFAULT_MIN_TOKENS_PER_STAGE = 4
 
 _TRUE_WORDS = frozenset({"1", "true", "yes", "on"})
 _FALSE_WORDS = frozenset({"0", "false", "no", "off"})
@@ -199,6 +204,7 @@ _COERCERS: dict[str, Callable[[str, Any], Any]] = {
     "num_ffn_ranks": _coerce_int,
     "compute_gate_on_attention": _coerce_bool,
     "num_stages": _coerce_int,
+    "min_tokens_per_stage": _coerce_int,
     "async_dp": _coerce_bool,
     "connector_extra_config": _coerce_mapping,
     "rendezvous_timeout_s": _coerce_seconds,
@@ -231,6 +237,10 @@ class AFDConfig:
     # Micro-batches per step (1, 2 or 3): the attention computes stage k+1 while the FFN computes stage k
     # (docs/pingpong.md); equal on both roles (the handshake compares it). Only 1 runs today.
     num_stages: int = 1
+    # Attention only: a step splits only when every stage gets at least this many real tokens; below it the
+    # per-stage fixed costs (a round trip, the experts' weight reads, a handoff) outweigh the overlap
+    # (docs/pingpong.md § 3.1, § 10; tuned by scripts/bench_afd_cpu.py, docs/benchmarks.md).
+    min_tokens_per_stage: int = DEFAULT_MIN_TOKENS_PER_STAGE
     # Options of the selected connector, parsed by it; must be empty for both of ours.
     connector_extra_config: Mapping[Any, Any] = field(default_factory=_FrozenMapping, hash=False)
     # Bound on rendezvous plus handshake, in seconds.
@@ -369,6 +379,11 @@ def _check_values(values: Mapping[str, Any], *, async_dp: bool, expected_role: s
             f"{num_ffn_ranks}; every FFN rank needs at least one attention peer"
         )
     _check_num_stages(values["num_stages"])
+    if values["min_tokens_per_stage"] < 1:
+        raise ValueError(
+            f"min_tokens_per_stage must be >= 1, got {values['min_tokens_per_stage']}; set the fewest real tokens a "
+            "micro-batch stage may hold (docs/pingpong.md § 3.1), or leave it out"
+        )
     if not values["host"].strip():
         raise ValueError(
             f"AFD host must be non-empty, got {values['host']!r}; set \"host\" to FFN rank 0's address"

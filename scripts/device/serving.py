@@ -86,7 +86,9 @@ def afd_config_json(role: str, port: int, rendezvous_timeout_s: float, connector
     config = {"role": role, "connector": connector, "host": "127.0.0.1", "port": port,
               "rendezvous_timeout_s": rendezvous_timeout_s}
     if num_stages > 1:
-        config["num_stages"] = num_stages
+        # NOTE: every decode step of >= num_stages requests splits (the default, 4 tokens per stage, is
+        # the CPU benchmark's); the token cases are small batches and must exercise the split.
+        config.update(num_stages=num_stages, min_tokens_per_stage=1)
     if timeline_dir:
         config["timeline_dir"] = timeline_dir
     return json.dumps({"afd": config}, sort_keys=True)

@@ -150,18 +150,21 @@ def test_ffn_serving_another_model_is_refused_by_the_handshake(tiny_model_dir, v
     assert "architecture (attention=Qwen3MoeForCausalLM, ffn=DeepseekV2ForCausalLM)" in log
 
 
-@pytest.mark.parametrize("attention_args, attention_cpus", [
-    (["--tensor-parallel-size", "2"], "0|1"),
+@pytest.mark.parametrize("attention_args, attention_cpus, num_stages", [
+    # TP 2 with micro-batch stages (docs/pingpong.md): both ranks split every batched step alike and run their
+    # stages' all-reduces in one baton order; batch-1 steps stay one stage, so both paths run here.
+    (["--tensor-parallel-size", "2"], "0|1", 2),
     # Attention DP: two engine cores (and two API servers) behind one port; the idle rank runs
-    # vLLM's dummy batches, which cross to the FFN as one row each.
-    (["--data-parallel-size", "2"], "1|1"),
+    # vLLM's dummy batches, which cross to the FFN as one row each. Stages refuse DP > 1 (config.md).
+    (["--data-parallel-size", "2"], "1|1", 1),
 ], ids=["tp2", "dp2"])
 def test_two_attention_ranks_share_one_ffn(tiny_model_dir, vllm_python, tmp_path, plain_outputs_qwen,
-                                           attention_args, attention_cpus):
+                                           attention_args, attention_cpus, num_stages):
     # NOTE: a stalled step (issue: an intermittent TP 2 hang) must fail well before the client's 120 s
     # read timeout, naming the waiting rank and the transfer it waits in (the watchdog's message).
     afd = AFDDeployment(tiny_model_dir("qwen3_moe"), python=vllm_python, log_dir=tmp_path,
-                        afd_fields={"num_attention_ranks": 2, "step_timeout_s": 30},
+                        afd_fields={"num_attention_ranks": 2, "step_timeout_s": 30, "num_stages": num_stages,
+                                    "min_tokens_per_stage": 1},  # the batch of 5 splits its decodes too
                         attention_args=attention_args, attention_cpus=attention_cpus)
 
     with afd:
@@ -201,6 +204,9 @@ def test_two_attention_ranks_share_one_ffn(tiny_model_dir, vllm_python, tmp_path
 
     assert [g.token_ids for g in batched] == plain_outputs_qwen
     assert one_by_one == plain_outputs_qwen
+    if num_stages > 1:
+        log = afd.attention.log_path.read_text()
+        assert f"running steps as {num_stages} micro-batch stages" in log, afd.attention.log_tail()
 
 
 @pytest.fixture(scope="module")

@@ -42,6 +42,7 @@ BAD_TYPES = {
     "int-none": ({"port": None}, "port must be an integer, got None"),
     "int-decimal": ({"port": Decimal("1.5")}, "port must be an integer, got Decimal('1.5')"),
     "stages-bool": ({"num_stages": True}, "num_stages must be an integer, got True"),
+    "min-tokens-bool": ({"min_tokens_per_stage": False}, "min_tokens_per_stage must be an integer, got False"),
     "stages-float": ({"num_stages": 2.5}, "num_stages must be an integer, got 2.5"),
     "seconds-bool": ({"step_timeout_s": True}, "step_timeout_s must be a number of seconds, got True"),
     "seconds-word": ({"peer_timeout_s": "soon"}, "peer_timeout_s must be a number of seconds, got 'soon'"),
@@ -79,6 +80,7 @@ BAD_VALUES = {
                              "P2pGlooAFDConnector requires num_attention_ranks >= num_ffn_ranks, got 2 < 3"),
     "stages-zero": ({"num_stages": 0}, "num_stages must be one of (1, 2, 3), got 0; set the micro-batches per"),
     "stages-four": ({"num_stages": "4"}, "num_stages must be one of (1, 2, 3), got 4"),
+    "min-tokens-zero": ({"min_tokens_per_stage": 0}, "min_tokens_per_stage must be >= 1, got 0; set the fewest"),
     "host-empty": ({"host": ""}, "AFD host must be non-empty"),
     "host-blank": ({"afd_host": "  \t"}, "AFD host must be non-empty"),
     "port-zero": ({"port": 0}, "AFD port must be in 1..65535, got 0"),
@@ -159,8 +161,8 @@ def test_unknown_field_message_lists_the_valid_fields_and_a_close_match():
 def test_defaults_match_the_spec_table():
     assert AFDConfig.from_mapping({}).to_mapping() == dict(
         role="attention", connector="P2pNcclAFDConnector", host="127.0.0.1", port=1239, num_attention_ranks=1,
-        num_ffn_ranks=1, compute_gate_on_attention=False, num_stages=1, connector_extra_config={},
-        rendezvous_timeout_s=300.0,
+        num_ffn_ranks=1, compute_gate_on_attention=False, num_stages=1, min_tokens_per_stage=4,
+        connector_extra_config={}, rendezvous_timeout_s=300.0,
         step_timeout_s=120.0, peer_timeout_s=5.0, reform_timeout_s=600.0, timeline_dir="",
     )
 
@@ -346,6 +348,7 @@ def afd_mappings(draw):
         "num_ffn_ranks": draw(st.integers(1, num_attention_ranks)),
         "compute_gate_on_attention": draw(st.booleans()),
         "num_stages": draw(st.sampled_from(NUM_STAGES)),
+        "min_tokens_per_stage": draw(st.integers(1, 4096)),
         "connector_extra_config": {},
         "rendezvous_timeout_s": draw(_seconds),
         "step_timeout_s": draw(_seconds),
@@ -417,6 +420,14 @@ def test_every_stage_count_parses_and_changes_the_graph_hash(num_stages):
     assert config.num_stages == num_stages == AFDConfig(num_stages=num_stages).validate().num_stages
     assert AFDConfig.from_mapping(config.to_mapping()) == config
     assert config.compute_hash() != AFDConfig().compute_hash()
+
+
+def test_min_tokens_per_stage_is_not_a_graph_field():
+    """Only the attention's per-step split reads it; the FFN follows the published counts."""
+    config = AFDConfig.from_mapping({"num_stages": 2, "min_tokens_per_stage": "4"})
+
+    assert config.min_tokens_per_stage == 4 and "min_tokens_per_stage" not in GRAPH_FIELDS
+    assert config.compute_hash() == AFDConfig.from_mapping({"num_stages": 2}).compute_hash()
 
 
 def test_config_module_imports_without_torch_or_vllm():

@@ -9,6 +9,7 @@ in-memory ``QueueTransport`` of tests/connectors/_harness.py, whose handles reco
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -137,3 +138,45 @@ def test_a_pending_send_wait_is_timed_by_the_watchdog(pair):
 
     assert seen == ["a2f send to ffn rank 0"]
     assert attention._watchdog._transfer_since is None  # the bracket closed
+
+
+def test_staged_sends_stamp_their_own_exchange_in_the_timeline():
+    """A stage sends before the previous stage's exchange finished: its marks must still land in its own slot
+    (they went to the finished-exchange count before, shifting every send by a stage and leaving the step's
+    last send unstamped; seen as negative spans in the CPU stage benchmark)."""
+    port, wire = free_port(), new_wire()
+    spec = make_spec(port, exchanges_per_stage=2, num_stages=2, timeline_clock="host")
+    ffn, attention = (make_connector(spec, make_placement(role, 0, 1, 1), transport=QueueTransport(wire))
+                      for role in ("ffn", "attention"))
+    init_all([ffn, attention])
+    try:
+        attention.publish({0: [1], 1: [2]})
+        ffn.next_step()
+        hidden = {stage: torch.ones(stage + 1, 64, dtype=BF16) for stage in range(2)}
+        windows = {}
+
+        def send(layer: int, stage: int) -> None:
+            before = time.perf_counter_ns()
+            attention.send_a2f(stage, hidden[stage])
+            windows[(layer, stage)] = (before, time.perf_counter_ns())
+
+        def ffn_layer() -> None:
+            for stage in range(2):
+                ffn.send_f2a(stage, ffn.recv_a2f(stage).hidden_states)
+
+        send(0, 0), send(0, 1)  # E order, as the stage baton runs it
+        ffn_layer()
+        attention.recv_f2a(0, hidden[0]), send(1, 0)
+        attention.recv_f2a(1, hidden[1]), send(1, 1)
+        ffn_layer()
+        attention.recv_f2a(0, hidden[0]), attention.recv_f2a(1, hidden[1])
+        attention.timeline.close()  # seals the step
+        [record] = attention.take_records()
+    finally:
+        attention.close()
+        ffn.close()
+
+    sends = {(m.exchange, m.stage): m.t_ns for m in record.marks if m.kind == "a2f_send_start"}
+    assert set(sends) == set(windows)
+    for key, (before, after) in windows.items():
+        assert before <= sends[key] <= after, f"send {key} stamped outside its call"

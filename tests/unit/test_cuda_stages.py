@@ -34,10 +34,12 @@ class Publishes:
         self.published.append((counts, flags))
 
 
-def make_manager(num_stages: int, *, arm: CaptureArm | None = None, connector: Publishes | None = None):
+def make_manager(num_stages: int, *, arm: CaptureArm | None = None, connector: Publishes | None = None,
+                 min_tokens_per_stage: int = 1):
     """vLLM's FULL_DECODE_ONLY candidates built by vLLM's `_init_candidates` with AFD's twin rule."""
     manager = object.__new__(AFDModelCudaGraphManager)
-    runner = SimpleNamespace(afd_capture_arm=arm or CaptureArm(), afd_connector=connector or Publishes())
+    runner = SimpleNamespace(afd_capture_arm=arm or CaptureArm(), afd_connector=connector or Publishes(),
+                             afd_min_tokens_per_stage=min_tokens_per_stage)
     manager.afd_runner = runner  # the instance's view of the bound class attribute
     manager.vllm_config = SimpleNamespace(speculative_config=None, cache_config=SimpleNamespace())
     manager.compilation_config = SimpleNamespace(cudagraph_capture_sizes=CAPTURE_SIZES,
@@ -56,15 +58,16 @@ def make_manager(num_stages: int, *, arm: CaptureArm | None = None, connector: P
 
 
 @pytest.mark.parametrize("num_stages", [2, 3])
-def test_every_capture_size_the_planner_splits_gets_one_split_twin(num_stages):
-    manager = make_manager(num_stages)
+@pytest.mark.parametrize("min_tokens_per_stage", [1, 4])
+def test_every_capture_size_the_planner_splits_gets_one_split_twin(num_stages, min_tokens_per_stage):
+    manager = make_manager(num_stages, min_tokens_per_stage=min_tokens_per_stage)
 
     descs = manager._capture_descs[CUDAGraphMode.FULL]
 
     single = sorted(d.num_tokens for d in descs if d.num_ubatches == 1)
     split = sorted(d.num_tokens for d in descs if d.num_ubatches > 1)
     assert single == CAPTURE_SIZES
-    assert split == [n for n in CAPTURE_SIZES if n >= num_stages]
+    assert split == [n for n in CAPTURE_SIZES if n >= num_stages * min_tokens_per_stage]
     assert {d.num_ubatches for d in descs if d.num_ubatches > 1} == {num_stages}
     assert all(d.uniform_token_count == 1 and d.num_reqs == d.num_tokens for d in descs)
 
@@ -74,13 +77,15 @@ def test_one_stage_captures_exactly_vllms_graphs():
 
 
 @given(num_stages=st.sampled_from([1, 2, 3]), num_tokens=st.integers(1, max(CAPTURE_SIZES)),
-       uniform=st.sampled_from([1, None, 3]))
-def test_a_uniform_decode_splits_as_the_planner_says_and_finds_its_graph(num_stages, num_tokens, uniform):
-    manager = make_manager(num_stages)
+       uniform=st.sampled_from([1, None, 3]), min_tokens_per_stage=st.integers(1, 5))
+def test_a_uniform_decode_splits_as_the_planner_says_and_finds_its_graph(num_stages, num_tokens, uniform,
+                                                                         min_tokens_per_stage):
+    manager = make_manager(num_stages, min_tokens_per_stage=min_tokens_per_stage)
 
     desc = manager.dispatch(num_tokens, num_tokens, uniform, 0)
 
-    expected = stages_for_step(num_stages, num_tokens) if uniform == 1 else 1
+    expected = (stages_for_step(num_stages, num_tokens, min_tokens_per_stage=min_tokens_per_stage)
+                if uniform == 1 else 1)
     assert desc.num_ubatches == expected
     if uniform == 1:  # FULL_DECODE_ONLY: every decode size has its graph, split or not
         assert desc.cg_mode == CUDAGraphMode.FULL and desc.num_tokens >= num_tokens

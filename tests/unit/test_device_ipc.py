@@ -65,8 +65,8 @@ def test_a_stage_variant_runs_both_roles_with_its_stage_count_and_is_compared_wi
         for role in ("ffn", "attention"):
             spec = specs[f"{prefix}_{role}"]
             afd = json.loads(after(spec.args, "--additional-config"))["afd"]
-            assert (afd["num_stages"], afd["connector"], "--enforce-eager" in spec.args) == (
-                stages, "P2pIpcAFDConnector", not graphs)
+            assert (afd["num_stages"], afd["min_tokens_per_stage"], afd["connector"], "--enforce-eager" in spec.args) == (
+                stages, 1, "P2pIpcAFDConnector", not graphs)
     assert "num_stages" not in json.loads(serving.afd_config_json("ffn", 1, 10.0))["afd"]
     assert serving.STAGE_TWINS["afd_ipc_graphs_s3"] == "afd_ipc_graphs"
     assert tuple(serving.STAGE_TWINS) == e2e_report.STAGE_VARIANTS == gpu_e2e.STAGE_VARIANTS

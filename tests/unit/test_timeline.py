@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from vllm_afd.wire.clocks import HostClock
 from vllm_afd.wire.messages import ControlPayload
-from vllm_afd.wire.timeline import ATTENTION_MARKS, FFN_MARKS, StepRecord, Timeline, step_layout
+from vllm_afd.wire.timeline import ATTENTION_MARKS, FFN_MARKS, Mark, StepRecord, Timeline, step_layout
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "connectors"))
 from _harness import (  # noqa: E402
@@ -77,7 +77,9 @@ def test_marks_land_in_layout_order_and_spans_are_per_exchange(role, num_exchang
     expected = num_exchanges * len(stages)
     if role == "attention":
         assert len(record.round_trips_ns()) == expected and record.ffn_compute_ns() == []
-        assert len(record.attention_compute_ns()) == expected - 1
+        # One per stage and layer after the first: each stage's own previous receive, never negative.
+        assert len(record.attention_compute_ns()) == (num_exchanges - 1) * len(stages)
+        assert all(span >= 0 for span in record.attention_compute_ns())
     else:
         assert len(record.ffn_compute_ns()) == expected and record.round_trips_ns() == []
     assert all(span >= 0 for span in record.round_trips_ns() + record.ffn_compute_ns())
@@ -171,3 +173,18 @@ def test_the_device_clock_refuses_a_cpu_device():
 
     with pytest.raises(ValueError, match="device clock stamps a CUDA GPU's global timer; got device cpu"):
         DeviceClock(8, torch.device("cpu"))
+
+
+def test_attention_compute_pairs_each_stage_with_its_own_previous_receive():
+    """Two stages: the slot after stage 0's receive is stage 1's send; a stage's layer starts at its own receive."""
+    us = 1000
+    marks = []
+    for layer in range(2):
+        for stage in range(2):
+            sent = (100 * layer + 10 * stage) * us
+            marks += [Mark("a2f_send_start", layer, stage, sent), Mark("a2f_send_end", layer, stage, sent + us),
+                      Mark("f2a_recv_end", layer, stage, sent + 50 * us)]
+    record = StepRecord("attention", 0, step_seq=0, graph_replay=False, warmup=False, profile=False, rows=4,
+                        opened_ns=0, closed_ns=0, clock="host", marks=tuple(marks), host_syncs=0)
+
+    assert record.attention_compute_ns() == [50 * us, 50 * us]  # (0, j) received at 50 + 10j, (1, j) sent at 100 + 10j

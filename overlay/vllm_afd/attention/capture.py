@@ -75,7 +75,8 @@ class AFDModelCudaGraphManager(ModelCudaGraphManager):
         (docs/decisions.md item 39).
         """
         if num_ubatches == 1 and self.ubatch_runner is not None and uniform_token_count == self.decode_query_len:
-            num_ubatches = stages_for_step(self.ubatch_runner.num_ubatches, num_tokens)
+            num_ubatches = stages_for_step(self.ubatch_runner.num_ubatches, num_tokens,
+                                           min_tokens_per_stage=self.afd_runner.afd_min_tokens_per_stage)
         return super().dispatch(num_reqs, num_tokens, uniform_token_count, num_active_loras,
                                 max_query_len=max_query_len, num_ubatches=num_ubatches)
 
@@ -87,7 +88,8 @@ class AFDModelCudaGraphManager(ModelCudaGraphManager):
         if remainder or per_request != self.decode_query_len or desc.uniform_token_count not in (None, per_request):
             return None
         num_stages = self.ubatch_runner.num_ubatches
-        if stages_for_step(num_stages, desc.num_tokens) == 1:
+        if stages_for_step(num_stages, desc.num_tokens,
+                           min_tokens_per_stage=self.afd_runner.afd_min_tokens_per_stage) == 1:
             return None
         return replace(desc, num_ubatches=num_stages, uniform_token_count=per_request)
 

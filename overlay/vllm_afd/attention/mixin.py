@@ -44,6 +44,7 @@ class AFDAttentionRunnerMixin:
 
     def __init__(self, vllm_config: Any, device: Any, afd_config: AFDConfig, placement: Placement):
         self.afd_num_stages = afd_config.num_stages  # before super(): the runners' num_ubatches reads it
+        self.afd_min_tokens_per_stage = afd_config.min_tokens_per_stage
         super().__init__(vllm_config, device)
         self._afd_unhook: Any = None
         self._afd_handle: int | None = None

@@ -402,13 +402,17 @@ class AFDConnector:
                 )
         label = "a2f send to ffn rank"
         self._wait_sends(self._pending_a2f.pop(stage, []), label, p.subgroup)  # a stage sent twice: misuse, but safe
-        self._mark(A2F_SEND_START)
+        # NOTE: sends go out in E order (docs/pingpong.md § 5), so the n-th send of a step is exchange n; with
+        # stages it precedes the previous stage's receive, which is what num_exchanges counts.
+        position = self.steps.num_sends
+        self._mark(A2F_SEND_START, position)
         pending = self._pending_a2f[stage] = []
         pending.append(self._call(label, p.subgroup, self.transport.isend, A2F, hidden.contiguous(), 0, timed=False))
         if router_logits is not None:
             pending.append(self._call(label, p.subgroup, self.transport.isend, A2F, router_logits.contiguous(), 0,
                                       timed=False))
-        self._mark(A2F_SEND_END)
+        self._mark(A2F_SEND_END, position)
+        self.steps.num_sends += 1
 
     def recv_f2a(self, stage: int, out: torch.Tensor) -> torch.Tensor:
         """Receive the FFN output of one (layer, stage) into ``out`` when it fits, else a new tensor."""
@@ -503,10 +507,10 @@ class AFDConnector:
             if self.timeline is not None:
                 self.timeline.step_closed()
 
-    def _mark(self, kind: str) -> None:
-        """Stamp the timeline at this exchange (its position: the exchanges finished in this step)."""
+    def _mark(self, kind: str, position: int | None = None) -> None:
+        """Stamp the timeline at exchange ``position`` (default: the exchanges finished in this step)."""
         if self.timeline is not None:
-            self.timeline.mark(kind, self.steps.num_exchanges)
+            self.timeline.mark(kind, self.steps.num_exchanges if position is None else position)
 
     def _wait_sends(self, handles: list[SendHandle], label: str, peer: int) -> None:
         """Wait for issued sends, timed as transfers (the peer must post its receives)."""

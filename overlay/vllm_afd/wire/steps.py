@@ -42,6 +42,9 @@ class StepState:
         self.payload: ControlPayload | None = None
         self.stages: dict[int, Stage] = {}
         self.num_exchanges = 0
+        # Attention: sends issued in this step. With stages a stage sends before the previous stage's exchange
+        # finished, so a send's position (layer-major, stage-minor) is this count, not ``num_exchanges``.
+        self.num_sends = 0
         self.next_step_seq = 0
 
     def new_payload(self, counts_dp: Mapping[int, Sequence[int]], **flags: bool) -> ControlPayload:
@@ -75,7 +78,7 @@ class StepState:
             else:
                 peer_rows = tuple(rows(counts[j]) for j in p.attention_peers)
                 stages[stage] = Stage(counts, sum(peer_rows), peer_rows)
-        self.payload, self.stages, self.num_exchanges = payload, stages, 0
+        self.payload, self.stages, self.num_exchanges, self.num_sends = payload, stages, 0, 0
 
     def stage(self, stage: int) -> Stage:
         try:

@@ -108,10 +108,13 @@ class StepRecord:
         return self.spans_ns(A2F_RECV_END, F2A_SEND_START)
 
     def attention_compute_ns(self) -> list[int]:
-        """Attention: FFN output of one exchange received to the next exchange's send (its layer)."""
-        ends = [m for m in self.marks if m.kind == F2A_RECV_END]
-        starts = [m for m in self.marks if m.kind == A2F_SEND_START]
-        return [b.t_ns - a.t_ns for a, b in zip(ends, starts[1:])]
+        """Attention: a stage's FFN output of layer l received to its send of layer l+1 (its own layer).
+
+        NOTE: per stage, not in slot order: with stages, the slot after a receive is the next stage's send.
+        """
+        ends = {(m.exchange, m.stage): m.t_ns for m in self.marks if m.kind == F2A_RECV_END}
+        return [m.t_ns - ends[(m.exchange - 1, m.stage)] for m in self.marks
+                if m.kind == A2F_SEND_START and (m.exchange - 1, m.stage) in ends]
 
     def to_json(self) -> dict[str, Any]:
         # NOTE: field by field, not dataclasses.asdict: asdict deep-copies every mark (~10x slower), and this

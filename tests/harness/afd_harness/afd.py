@@ -2,7 +2,8 @@
 
 Both roles are plain `vllm serve` processes with the same `--additional-config
 '{"afd": {...}}'` except for `role`; they may start in either order, since each waits for
-the other only in its rendezvous.  On a 2-core machine each role gets its own core.
+the other only in its rendezvous.  On a 2-core machine each role gets its own core (its worker's
+OpenMP threads; `pin_processes` pins every process of the role there).
 
     with AFDDeployment(model_dir, python=py) as afd:
         complete(afd.attention.base_url, "Hello", max_tokens=8)
@@ -43,6 +44,7 @@ class AFDDeployment:
         env: Mapping[str, str] | None = None,
         attention_cpus: str = "1",
         ffn_cpus: str = "0",
+        pin_processes: bool = False,
         startup_timeout_s: float = 600.0,
     ):
         # NOTE: three ports bound at once, so the rendezvous port and the two HTTP ports
@@ -52,14 +54,19 @@ class AFDDeployment:
         self.model, self.log_dir = Path(model), Path(log_dir)
         fields = dict(afd_fields or {})
         common = dict(python=python, launcher="cli", startup_timeout_s=startup_timeout_s)
+        # NOTE: VLLM_CPU_OMP_THREADS_BIND binds only the worker's OpenMP threads; the API server and the engine
+        # core (whose shm queue spins with sched_yield while a step runs) float over both cores unless pinned.
+        ffn_prefix = ("taskset", "-c", ffn_cpus) if pin_processes else ()
+        attention_prefix = ("taskset", "-c", attention_cpus) if pin_processes else ()
         self.ffn = VllmServer(
             ffn_model or model, **common, port=ffn_http_port, log_path=Path(log_dir) / "ffn.log",
+            command_prefix=ffn_prefix,
             extra_args=[*afd_args("ffn", self.afd_port, **fields), *ffn_args],
             env={**cpu_server_env(omp_cpus=ffn_cpus), **(env or {})},
         )
         self.attention = VllmServer(
             model, **common, port=attention_http_port,
-            log_path=Path(log_dir) / "attention.log",
+            log_path=Path(log_dir) / "attention.log", command_prefix=attention_prefix,
             extra_args=[*afd_args("attention", self.afd_port, **fields), *attention_args],
             env={**cpu_server_env(omp_cpus=attention_cpus), **(env or {})},
         )
