@@ -144,3 +144,16 @@ def test_the_bench_record_adds_each_afd_variants_cost_per_layer_and_keeps_the_gl
     assert sorted(bench["serving_per_layer_ms_by_variant"]) == ["afd_eager", "afd_ipc_eager", "afd_ipc_graphs"]
     assert round_records.tokens_record({"variants": ["plain_eager", "afd_ipc_graphs"], "variants_up": ["plain_eager"],
                                         "outputs": {}})["variants_not_up"] == ["afd_ipc_graphs"]
+
+
+def test_the_stage_table_divides_each_split_variant_by_its_one_stage_twin_and_plain_of_its_mode():
+    import e2e_report
+
+    bench = {"models": {"m": {"batches": [8], "variants": {
+        "plain_eager": {"8": rate(100.0, 1)}, "plain_graphs": {"8": rate(400.0, 1)},
+        "afd_ipc_graphs": {"8": rate(200.0, 1)}, "afd_ipc_graphs_s2": {"8": rate(300.0, 1)}}}}}
+
+    lines = e2e_report._stage_lines(bench)
+
+    assert lines[-1].splitlines()[-1] == "| m | 8 | afd_ipc_graphs_s2 | 300 | 200 | 1.5 | 400 | 0.75 |"
+    assert e2e_report._stage_lines({"models": {"m": {"batches": [8], "variants": {"plain_eager": {}}}}}) == []
