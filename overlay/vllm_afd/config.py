@@ -32,7 +32,6 @@ __all__ = [
     "FIELD_NAMES",
     "GRAPH_FIELDS",
     "DEFAULT_MIN_TOKENS_PER_STAGE",
-    "IMPLEMENTED_NUM_STAGES",
     "NUM_STAGES",
     "ROLES",
     "RUNTIME_ONLY_FIELDS",
@@ -85,11 +84,8 @@ GRAPH_FIELDS = (
     "role", "connector", "num_attention_ranks", "num_ffn_ranks", "compute_gate_on_attention", "num_stages",
 )
 
-# Micro-batch stages per step a config may name (docs/pingpong.md), and those that run today.
+# Micro-batch stages per step a config may name (docs/pingpong.md).
 NUM_STAGES = (1, 2, 3)
-# Every stage count parses; the CUDA attention (Model Runner V2) still refuses num_stages > 1 at
-# worker start (validation.check_features), until issue 13's CUDA step (docs/pingpong.md § 11, step 5).
-IMPLEMENTED_NUM_STAGES = NUM_STAGES
 # The fewest real tokens per stage before a step splits. NOTE: 4 from the CPU stage benchmark
 # (docs/benchmarks.md, "Side by side, settled"): stages of 1-2 tokens ran 0.90-0.96x one stage, 4 and more
 # 1.25-1.32x; each stage pays the weight reads and an exchange again.
@@ -410,17 +406,11 @@ def _check_values(values: Mapping[str, Any], *, async_dp: bool, expected_role: s
 
 
 def _check_num_stages(num_stages: int) -> None:
-    """Validation step 10a (docs/config.md#validation-order): a known stage count, and one that runs."""
+    """Validation step 10a (docs/config.md#validation-order): a known stage count."""
     if num_stages not in NUM_STAGES:
         raise ValueError(
             f"num_stages must be one of {NUM_STAGES}, got {num_stages}; set the micro-batches per step "
             "to 1 (no ping-pong), 2 or 3 on both roles"
-        )
-    if num_stages not in IMPLEMENTED_NUM_STAGES:
-        raise ValueError(
-            f"num_stages={num_stages}: the micro-batch ping-pong is not implemented yet (docs/pingpong.md, "
-            f"issue 13); supported now: {', '.join(map(str, IMPLEMENTED_NUM_STAGES))}. Remove num_stages or "
-            "set it to 1 on both roles"
         )
 
 

@@ -130,13 +130,6 @@ def check_features(vllm_config: VllmConfig, afd: AFDConfig, platform: str) -> No
             "(docs/pingpong.md)."
         )
     if afd.num_stages > 1 and role == "attention":
-        if platform != "cpu":
-            raise ValueError(
-                f"num_stages={afd.num_stages}: the micro-batch ping-pong runs on the CPU attention (V1 runner) "
-                "only; the CUDA attention (Model Runner V2) is issue 13's remaining step (docs/pingpong.md "
-                "§ 11, step 5: mrv2-add-num-ubatches, AFDUBatchRunner, comm streams). Set num_stages to 1 on both "
-                "roles"
-            )
         if parallel.data_parallel_size > 1:
             raise ValueError(
                 f"num_stages={afd.num_stages} with attention data parallelism (--data-parallel-size "

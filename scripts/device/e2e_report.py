@@ -36,8 +36,11 @@ TINY_VOCAB_SIZE = 512
 
 # Variant names: the baseline everything is compared with, and the candidates.
 BASELINE = "plain_eager"
+# Micro-batch stage variants (serving.AFD_VARIANTS): each against the baseline and its one-stage twin.
+STAGE_VARIANTS = tuple(f"afd_ipc_{mode}_s{k}" for mode in ("eager", "graphs") for k in (2, 3))
 COMPARISONS = (("afd_eager", BASELINE), ("plain_graphs", BASELINE), ("pristine_eager", BASELINE),
-               ("afd_ipc_eager", BASELINE), ("afd_ipc_graphs", BASELINE), ("afd_ipc_graphs", "plain_graphs"))
+               ("afd_ipc_eager", BASELINE), ("afd_ipc_graphs", BASELINE), ("afd_ipc_graphs", "plain_graphs"),
+               *((v, BASELINE) for v in STAGE_VARIANTS), *((v, v.rsplit("_s", 1)[0]) for v in STAGE_VARIANTS))
 
 
 def parse_phases(text: str) -> list[str]:
@@ -248,24 +251,47 @@ def _token_lines(tokens: Mapping[str, Any]) -> list[str]:
             markdown_table(["model", "comparison", "case", "identical", "first divergence (per mismatch)"], rows)]
 
 
-def _bench_lines(bench: Mapping[str, Any]) -> list[str]:
-    rows = []
+def _rates_by_batch(bench: Mapping[str, Any]):
+    """(model, batch, tok_s, variants) per benched batch; tok_s(variant) is its median tok/s, or None."""
     for model, result in bench.get("models", {}).items():
         variants = result.get("variants", {})
         for batch in result.get("batches", []):
-            def tok_s(name: str) -> float | None:
+            def tok_s(name: str, batch: int = batch) -> float | None:
                 entry = variants.get(name, {}).get(str(batch))
                 return entry["tok_s"] if entry else None
-            rows.append([model, batch, tok_s("plain_eager"), tok_s("plain_graphs"), tok_s("afd_eager"),
-                         ratio(tok_s("afd_eager"), tok_s("plain_eager")),
-                         ratio(tok_s("afd_eager"), tok_s("plain_graphs")),
-                         ratio(tok_s("plain_graphs"), tok_s("plain_eager"))])
+            yield model, batch, tok_s, variants
+
+
+def _bench_lines(bench: Mapping[str, Any]) -> list[str]:
+    rows = []
+    for model, batch, tok_s, _ in _rates_by_batch(bench):
+        rows.append([model, batch, tok_s("plain_eager"), tok_s("plain_graphs"), tok_s("afd_eager"),
+                     ratio(tok_s("afd_eager"), tok_s("plain_eager")),
+                     ratio(tok_s("afd_eager"), tok_s("plain_graphs")),
+                     ratio(tok_s("plain_graphs"), tok_s("plain_eager"))])
     if not rows:
         return []
     return ["### Decode throughput (tok/s, median of repeats; ratios side by side)", "",
             markdown_table(["model", "batch", "plain eager", "plain graphs", "AFD eager (gloo)",
                             "AFD / plain eager", "AFD / plain graphs", "graphs / eager"], rows),
-            *_prompt_len_lines(bench)]
+            *_stage_lines(bench), *_prompt_len_lines(bench)]
+
+
+def _stage_lines(bench: Mapping[str, Any]) -> list[str]:
+    """Micro-batch stages: each split variant's tok/s ÷ its one-stage twin and ÷ plain of the same mode."""
+    rows = []
+    for model, batch, tok_s, variants in _rates_by_batch(bench):
+        for variant in STAGE_VARIANTS:
+            if variant in variants:
+                twin = variant.rsplit("_s", 1)[0]
+                plain = "plain_graphs" if "_graphs_" in variant else "plain_eager"
+                rows.append([model, batch, variant, tok_s(variant), tok_s(twin), ratio(tok_s(variant), tok_s(twin)),
+                             tok_s(plain), ratio(tok_s(variant), tok_s(plain))])
+    if not rows:
+        return []
+    return ["", "### Micro-batch stages (tok/s, median of repeats; ratios side by side)", "",
+            markdown_table(["model", "batch", "variant", "tok/s", "1 stage", "÷ 1 stage", "plain (same mode)",
+                            "÷ plain"], rows)]
 
 
 def _prompt_len_lines(bench: Mapping[str, Any]) -> list[str]:

@@ -55,7 +55,10 @@ GPU_TESTS = ("tests/connectors/test_connectors_cuda.py", "tests/connectors/test_
              "tests/unit/test_ffn_graphs_cuda.py", "tests/unit/test_cuda_path.py", "tests/unit/test_timeline_cuda.py")
 # Servers of a round (serving.VARIANT_SERVERS); plain_eager is the baseline of every comparison.
 VARIANTS = ("plain_eager", "plain_graphs", "afd_eager", "afd_ipc_eager", "afd_ipc_graphs")
-CUDA_ONLY = ("plain_graphs", "afd_ipc_eager", "afd_ipc_graphs")
+# Opt-in servers: AFD over IPC with micro-batch stages (docs/pingpong.md), e.g. --variants
+# plain_eager,plain_graphs,afd_ipc_graphs,afd_ipc_graphs_s2,afd_ipc_graphs_s3
+STAGE_VARIANTS = tuple(phases.serving.STAGE_TWINS)
+CUDA_ONLY = phases.serving.CUDA_ONLY_VARIANTS
 
 
 class Terminated(BaseException):
@@ -151,10 +154,10 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
     if args.platform == "cpu":  # a smoke run of this script: nothing that needs CUDA
         args.variants = [v for v in args.variants if v not in CUDA_ONLY]
         args.phases = [p for p in args.phases if p != "ipcfloor"]
-    bad = sorted(set(args.variants) - set(VARIANTS))
+    bad = sorted(set(args.variants) - set(VARIANTS) - set(STAGE_VARIANTS))
     if bad or "plain_eager" not in args.variants:
         parser.error(f"--variants: {bad or args.variants} invalid; expected plain_eager plus any of "
-                     f"{', '.join(VARIANTS[1:])} (plain_eager is the baseline of every comparison)")
+                     f"{', '.join(VARIANTS[1:] + STAGE_VARIANTS)} (plain_eager is the baseline of every comparison)")
     if max(args.bench_batches) > args.max_num_seqs:
         parser.error(f"--bench-batches {max(args.bench_batches)} exceeds --max-num-seqs {args.max_num_seqs}; "
                      "raise --max-num-seqs or lower the batch")

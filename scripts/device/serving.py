@@ -10,6 +10,7 @@ alternate between them (docs/conventions.md#measuring-performance):
     afd_eager        afd_ffn + afd_attention        AFD over P2pGlooAFDConnector, eager
     afd_ipc_eager    afd_ipc_ffn + ..._attention    AFD over P2pIpcAFDConnector, eager
     afd_ipc_graphs   afd_ipcg_ffn + ..._attention   AFD over P2pIpcAFDConnector, FULL_DECODE_ONLY on both roles
+    afd_ipc_{eager,graphs}_s{2,3}                   the same with num_stages 2 or 3 (docs/pingpong.md)
 
 The FFN of a pair serves no requests.  NCCL refuses two ranks on one GPU and gloo cannot be
 captured; the IPC connector is the one-node transport that is (wire/transports/ipc.py).  Every
@@ -33,15 +34,19 @@ from typing import Any
 from e2e_report import CHAT_MESSAGE, TEXT_PROMPTS, bench_prompt_ids, decode_rate, median_rate
 
 # variant name -> the server that answers its requests
-VARIANT_SERVERS = {"plain_eager": "plain_eager", "plain_graphs": "plain_graphs", "afd_eager": "afd_attention",
-                   "afd_ipc_eager": "afd_ipc_attention", "afd_ipc_graphs": "afd_ipcg_attention",
-                   "pristine_eager": "pristine_eager"}
 AFD_CONNECTOR = "P2pGlooAFDConnector"
-# AFD variant -> (connector, FULL_DECODE_ONLY graphs on both roles, server name prefix)
-AFD_VARIANTS = {"afd_eager": (AFD_CONNECTOR, False, "afd"),
-                "afd_ipc_eager": ("P2pIpcAFDConnector", False, "afd_ipc"),
-                "afd_ipc_graphs": ("P2pIpcAFDConnector", True, "afd_ipcg")}
-CUDA_ONLY_VARIANTS = ("plain_graphs", "afd_ipc_eager", "afd_ipc_graphs")
+# AFD variant -> (connector, FULL_DECODE_ONLY graphs on both roles, server name prefix, num_stages)
+AFD_VARIANTS = {"afd_eager": (AFD_CONNECTOR, False, "afd", 1),
+                "afd_ipc_eager": ("P2pIpcAFDConnector", False, "afd_ipc", 1),
+                "afd_ipc_graphs": ("P2pIpcAFDConnector", True, "afd_ipcg", 1),
+                **{f"afd_ipc_{mode}_s{k}": ("P2pIpcAFDConnector", mode == "graphs",
+                                            f"afd_ipc{'g' if mode == 'graphs' else ''}_s{k}", k)
+                   for mode in ("eager", "graphs") for k in (2, 3)}}
+# A split variant's one-stage twin: its tokens and tok/s are compared with it.
+STAGE_TWINS = {variant: variant.rsplit("_s", 1)[0] for variant, spec in AFD_VARIANTS.items() if spec[3] > 1}
+VARIANT_SERVERS = {"plain_eager": "plain_eager", "plain_graphs": "plain_graphs", "pristine_eager": "pristine_eager",
+                   **{variant: f"{spec[2]}_attention" for variant, spec in AFD_VARIANTS.items()}}
+CUDA_ONLY_VARIANTS = ("plain_graphs", *(v for v, spec in AFD_VARIANTS.items() if spec[0] != AFD_CONNECTOR))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -77,9 +82,13 @@ class ServerSpec:
 
 
 def afd_config_json(role: str, port: int, rendezvous_timeout_s: float, connector: str = AFD_CONNECTOR,
-                    timeline_dir: str = "") -> str:
+                    timeline_dir: str = "", num_stages: int = 1) -> str:
     config = {"role": role, "connector": connector, "host": "127.0.0.1", "port": port,
               "rendezvous_timeout_s": rendezvous_timeout_s}
+    if num_stages > 1:
+        # NOTE: every decode step of >= num_stages requests splits (the default, 4 tokens per stage, is
+        # the CPU benchmark's); the token cases are small batches and must exercise the split.
+        config.update(num_stages=num_stages, min_tokens_per_stage=1)
     if timeline_dir:
         config["timeline_dir"] = timeline_dir
     return json.dumps({"afd": config}, sort_keys=True)
@@ -130,11 +139,12 @@ def server_specs(variants: Sequence[str], settings: ServeSettings, *, afd_port: 
             specs.append(ServerSpec("plain_graphs", variant, (*common, *memory, *kv_bytes, "--compilation-config",
                                                               graph_compilation_json(settings))))
         else:
-            connector, graphs, prefix = AFD_VARIANTS[variant]
+            connector, graphs, prefix, num_stages = AFD_VARIANTS[variant]
             mode = ["--compilation-config", graph_compilation_json(settings)] if graphs else eager
             for role in ("ffn", "attention"):
                 timeline = f"{settings.timeline_dir}/{variant}" if settings.timeline_dir else ""
-                config = afd_config_json(role, ports[variant], settings.rendezvous_timeout_s, connector, timeline)
+                config = afd_config_json(role, ports[variant], settings.rendezvous_timeout_s, connector, timeline,
+                                         num_stages)
                 role_kv = kv_bytes if role == "attention" else []
                 specs.append(ServerSpec(f"{prefix}_{role}", variant if role == "attention" else None,
                                         (*common, *memory, *role_kv, *mode, "--additional-config", config),

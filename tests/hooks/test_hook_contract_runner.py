@@ -130,6 +130,44 @@ def test_cudagraph_manager_is_built_through_the_runner_property(pinned_tree: Pat
     assert len(call_sites(initialize, "cudagraph_manager_cls")) == 1
 
 
+UBATCH = "vllm/v1/worker/gpu/ubatch_utils.py"
+ATTN_UTILS = "vllm/v1/worker/gpu/attn_utils.py"
+
+
+def test_mrv2_builds_its_micro_batch_runner_and_builders_through_the_runner(pinned_tree: Path) -> None:
+    """`mrv2-add-num-ubatches`: the metadata builders are sized by `self.num_ubatches` (default: vLLM's
+    DBO count, 1 without DBO) and the UBatchRunner comes from `build_ubatch_runner` (default: the pinned
+    `maybe_build_ubatch_runner` call, with its DP > 1 rule); `UBatchRunner` takes an optional count."""
+    module = parse(pinned_tree, MRV2)
+    initialize = find_def(module, "GPUModelRunner.initialize_kv_cache")
+    prop = find_def(module, "GPUModelRunner.num_ubatches")
+    build = find_def(module, "GPUModelRunner.build_ubatch_runner")
+
+    assert [ast.unparse(d) for d in prop.decorator_list] == ["property"]
+    assert ast.unparse(prop.body[-1]) == "return get_num_ubatches(self.parallel_config)"
+    assert param_names(build) == ["self"]
+    assert len(call_sites(build, "maybe_build_ubatch_runner")) == 1
+    assert call_sites(initialize, "maybe_build_ubatch_runner") == []
+    assert len(call_sites(initialize, "build_ubatch_runner")) == 1
+    backend = call_sites(initialize, "init_attn_backend")
+    assert [ast.unparse(site.call.keywords[-1]) for site in backend] == ["num_metadata_builders=self.num_ubatches"]
+
+    init_attn = ast.unparse(find_def(parse(pinned_tree, ATTN_UTILS), "init_attn_backend"))
+    assert "num_metadata_builders or get_num_ubatches(vllm_config.parallel_config)" in init_attn
+    runner_init = find_def(parse(pinned_tree, UBATCH), "UBatchRunner.__init__")
+    assert param_names(runner_init)[-1] == "num_ubatches"
+    assert "self.num_ubatches = num_ubatches or self.parallel_config.num_ubatches" in ast.unparse(runner_init)
+
+
+def test_mrv2_micro_batch_contexts_carry_dp_metadata_only_where_set_forward_context_builds_it(pinned_tree: Path) -> None:
+    """`mrv2-ubatch-fix-dp1-contexts`: DPMetadata.make asserts DP > 1 or sequence-parallel MoE, so the
+    micro-batch contexts build it under set_forward_context's own condition (unchanged at DP > 1)."""
+    source = ast.unparse(find_def(parse(pinned_tree, UBATCH), "UBatchRunner._make_forward_contexts"))
+
+    assert ("dp_metadata=DPMetadata.make(self.parallel_config, num_tokens, num_tokens_across_dp) if dp_size > 1 "
+            "or self.parallel_config.use_sequence_parallel_moe else None") in source
+
+
 V1_RUNNER = "vllm/v1/worker/gpu_model_runner.py"
 
 

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 import vllm_afd
 from vllm_afd import config as config_module
-from vllm_afd.config import (ALIASES, CONNECTORS, GRAPH_FIELDS, IMPLEMENTED_NUM_STAGES, NUM_STAGES, ROLES,
+from vllm_afd.config import (ALIASES, CONNECTORS, GRAPH_FIELDS, NUM_STAGES, ROLES,
                              RUNTIME_ONLY_FIELDS, AFDConfig, check_p2p_extra_config, get_additional_config, has_afd_config, is_afd_active,
                              parse_afd_config, require_afd_config)
 
@@ -347,7 +347,7 @@ def afd_mappings(draw):
         "num_attention_ranks": num_attention_ranks,
         "num_ffn_ranks": draw(st.integers(1, num_attention_ranks)),
         "compute_gate_on_attention": draw(st.booleans()),
-        "num_stages": draw(st.sampled_from(IMPLEMENTED_NUM_STAGES)),
+        "num_stages": draw(st.sampled_from(NUM_STAGES)),
         "min_tokens_per_stage": draw(st.integers(1, 4096)),
         "connector_extra_config": {},
         "rendezvous_timeout_s": draw(_seconds),
@@ -414,11 +414,9 @@ def test_num_stages_is_a_graph_field_and_one_stage_is_the_default():
 
 @pytest.mark.parametrize("num_stages", [2, 3])
 def test_every_stage_count_parses_and_changes_the_graph_hash(num_stages):
-    """Issue 13: 2 and 3 parse on every platform; the CUDA attention refuses them at worker start
-    (tests/unit/test_validation.py)."""
+    """Issue 13: 2 and 3 parse on every platform and run on both attention runners."""
     config = AFDConfig.from_mapping({"num_stages": str(num_stages)})
 
-    assert IMPLEMENTED_NUM_STAGES == NUM_STAGES
     assert config.num_stages == num_stages == AFDConfig(num_stages=num_stages).validate().num_stages
     assert AFDConfig.from_mapping(config.to_mapping()) == config
     assert config.compute_hash() != AFDConfig().compute_hash()

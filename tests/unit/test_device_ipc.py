@@ -52,6 +52,29 @@ def test_a_full_round_pairs_every_afd_variant_with_its_own_ffn_port_and_graph_mo
     assert serving.VARIANT_SERVERS["afd_ipc_graphs"] == "afd_ipcg_attention"
 
 
+def test_a_stage_variant_runs_both_roles_with_its_stage_count_and_is_compared_with_its_one_stage_twin():
+    import e2e_report
+
+    specs = {s.name: s for s in serving.server_specs(["plain_eager", "afd_ipc_graphs_s2", "afd_ipc_eager_s3"],
+                                                     serving.ServeSettings(), afd_port={"afd_ipc_graphs_s2": 7004,
+                                                                                        "afd_ipc_eager_s3": 7005})}
+
+    assert list(specs) == ["plain_eager", "afd_ipcg_s2_ffn", "afd_ipcg_s2_attention", "afd_ipc_s3_ffn",
+                           "afd_ipc_s3_attention"]
+    for prefix, stages, graphs in (("afd_ipcg_s2", 2, True), ("afd_ipc_s3", 3, False)):
+        for role in ("ffn", "attention"):
+            spec = specs[f"{prefix}_{role}"]
+            afd = json.loads(after(spec.args, "--additional-config"))["afd"]
+            assert (afd["num_stages"], afd["min_tokens_per_stage"], afd["connector"], "--enforce-eager" in spec.args) == (
+                stages, 1, "P2pIpcAFDConnector", not graphs)
+    assert "num_stages" not in json.loads(serving.afd_config_json("ffn", 1, 10.0))["afd"]
+    assert serving.STAGE_TWINS["afd_ipc_graphs_s3"] == "afd_ipc_graphs"
+    assert tuple(serving.STAGE_TWINS) == e2e_report.STAGE_VARIANTS == gpu_e2e.STAGE_VARIANTS
+    assert ("afd_ipc_graphs_s2", "afd_ipc_graphs") in e2e_report.COMPARISONS
+    assert ("afd_ipc_eager_s3", "plain_eager") in e2e_report.COMPARISONS
+    assert set(serving.STAGE_TWINS) <= set(serving.CUDA_ONLY_VARIANTS)
+
+
 def test_afd_variants_need_their_ports_and_ipc_needs_cuda():
     with pytest.raises(ValueError, match=r"AFD variants \['afd_eager', 'afd_ipc_eager'\] need one rendezvous port each"):
         serving.server_specs(["plain_eager", "afd_eager", "afd_ipc_eager"], serving.ServeSettings(), afd_port=1)
@@ -121,3 +144,16 @@ def test_the_bench_record_adds_each_afd_variants_cost_per_layer_and_keeps_the_gl
     assert sorted(bench["serving_per_layer_ms_by_variant"]) == ["afd_eager", "afd_ipc_eager", "afd_ipc_graphs"]
     assert round_records.tokens_record({"variants": ["plain_eager", "afd_ipc_graphs"], "variants_up": ["plain_eager"],
                                         "outputs": {}})["variants_not_up"] == ["afd_ipc_graphs"]
+
+
+def test_the_stage_table_divides_each_split_variant_by_its_one_stage_twin_and_plain_of_its_mode():
+    import e2e_report
+
+    bench = {"models": {"m": {"batches": [8], "variants": {
+        "plain_eager": {"8": rate(100.0, 1)}, "plain_graphs": {"8": rate(400.0, 1)},
+        "afd_ipc_graphs": {"8": rate(200.0, 1)}, "afd_ipc_graphs_s2": {"8": rate(300.0, 1)}}}}}
+
+    lines = e2e_report._stage_lines(bench)
+
+    assert lines[-1].splitlines()[-1] == "| m | 8 | afd_ipc_graphs_s2 | 300 | 200 | 1.5 | 400 | 0.75 |"
+    assert e2e_report._stage_lines({"models": {"m": {"batches": [8], "variants": {"plain_eager": {}}}}}) == []

@@ -45,6 +45,18 @@ def test_eager_stamps_follow_the_stream_without_a_host_sync():
     assert y.shape == (2048, 2048)
 
 
+@torch.inference_mode()
+def test_pooled_host_buffers_serve_steps_of_any_length():
+    """A split step stamps more slots than a whole one; inference-mode views have no `_base` to pool by."""
+    clock = DeviceClock(8, torch.device("cuda"))
+    lengths = [2, 8, 3, 8]
+
+    for num_slots in lengths:
+        for slot in range(num_slots):
+            clock.stamp(slot)
+        assert len(read_when_done(clock, clock.seal(num_slots))) == num_slots
+
+
 def test_a_captured_graph_stamps_its_slots_at_every_replay():
     clock = DeviceClock(4, torch.device("cuda"))
     x = torch.randn(1024, 1024, device="cuda")

@@ -165,18 +165,11 @@ def test_dual_batch_overlap_and_microbatching_are_refused(cpu_config, field, val
 
 
 @pytest.mark.parametrize("num_stages", [2, 3])
-def test_stages_run_on_the_cpu_attention_and_the_cuda_attention_refuses_them_naming_the_step(cpu_config,
-                                                                                              num_stages):
+def test_stages_run_on_both_attention_runners(cpu_config, num_stages):
     config, afd = cpu_config({"num_stages": num_stages})
+
     check_features(config, afd, "cpu")
-
-    with pytest.raises(ValueError) as info:
-        check_features(config, afd, "cuda")
-
-    assert str(info.value) == (
-        f"num_stages={num_stages}: the micro-batch ping-pong runs on the CPU attention (V1 runner) only; the CUDA "
-        "attention (Model Runner V2) is issue 13's remaining step (docs/pingpong.md § 11, step 5: "
-        "mrv2-add-num-ubatches, AFDUBatchRunner, comm streams). Set num_stages to 1 on both roles")
+    check_features(config, afd, "cuda")
 
 
 def test_stages_with_attention_data_parallelism_are_refused(cpu_config):

@@ -1,4 +1,4 @@
-"""The graph-manager subclass of the CUDA attention runner (`FULL_DECODE_ONLY` graphs).
+"""The graph-manager subclass of the CUDA attention runner, and the arm of descriptor-less contexts.
 
 vLLM's Model Runner V2 builds its `ModelCudaGraphManager` from the runner's class-valued
 `cudagraph_manager_cls` (patch `mrv2-add-cudagraph-manager-cls`), rebuilt for graph-memory
@@ -8,50 +8,90 @@ each recorded forward, outside `torch.cuda.graph`: there it publishes the payloa
 makes the FFN run an eager step alongside the warm-up, or record its own graph.
 
 vLLM builds the forward context of a FULL warm-up or recorded forward without a batch
-descriptor, like the KV connector's side contexts, which run no model.  So the hook also arms
-the runner's `CaptureArm`: the next context without a descriptor is that forward's and gets a
-(published) sidecar; any other descriptor-less context gets none.
+descriptor, like the KV connector's side contexts, which run no model, and like the contexts of
+its micro-batches.  So the hook (or, for micro-batches, `AFDUBatchRunner.prepare`) arms the
+runner's `CaptureArm`: the next descriptor-less contexts are that forward's stages and get
+(published) sidecars; any other descriptor-less context gets none.
+
+With `num_stages` > 1 (docs/pingpong.md § 4.1, § 9) the manager also decides, per step, whether
+a uniform decode step splits (`dispatch`), and which capture sizes get a split twin graph
+(`_maybe_ubatch_twin`: vLLM's rule with AFD's count and planner in place of DBO's count and
+thresholds; a private method, listed in the rebase report's seam callers).
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
+from vllm.config import CUDAGraphMode
 from vllm.v1.worker.gpu.cudagraph_utils import ModelCudaGraphManager
 
-from vllm_afd.attention.payloads import capture_counts
+from vllm_afd.attention.payloads import capture_counts, staged_counts
+from vllm_afd.attention.stages import stage_sizes, stages_for_step
 
 
 class CaptureArm:
-    """One sidecar per capture-hook publish, for the forward context that follows it."""
+    """Which descriptor-less forward contexts run the model, and as which stage (module docstring)."""
 
     def __init__(self) -> None:
-        self._armed = False
+        self._stages: list[int] = []
 
-    def arm(self) -> None:
-        """The capture hook published; the next descriptor-less context runs that forward."""
-        self._armed = True
+    def arm(self, num_stages: int = 1) -> None:
+        """The next `num_stages` descriptor-less contexts run stages 0, 1, … of one forward: a capture
+        hook's forward (1), or the micro-batches vLLM's UBatchRunner builds in stage order (k)."""
+        self._stages = list(range(num_stages))
 
-    def runs_model(self, has_batch_descriptor: bool) -> bool:
-        """Whether a new context runs the model: executed steps carry a descriptor; an armed
-        capture forward takes the arm; other descriptor-less contexts (KV connector) run none."""
+    def stage_of(self, has_batch_descriptor: bool) -> int | None:
+        """The stage a new context runs, or None when it runs no model.  Executed steps carry a
+        descriptor (stage 0: a split step's own stages are armed); other contexts take the arm."""
         if has_batch_descriptor:
-            return True
-        armed, self._armed = self._armed, False
-        return armed
+            return 0
+        return self._stages.pop(0) if self._stages else None
 
 
 class AFDModelCudaGraphManager(ModelCudaGraphManager):
-    """Publishes warm-up and capture payloads; replay is published by the runner."""
+    """Publishes warm-up and capture payloads and picks the stage count; replay is published by the runner."""
 
     afd_runner: Any = None  # set on the per-runner subclass made by bind_cudagraph_manager
 
     def before_capture_forward(self, desc: Any, warmup: bool) -> None:
         super().before_capture_forward(desc, warmup)
         connector = self.afd_runner.afd_connector
-        connector.publish({0: capture_counts(desc.num_tokens, connector.placement.dp_size)},
-                          is_warmup=warmup, is_graph_capturing=not warmup)
-        self.afd_runner.afd_capture_arm.arm()
+        dp_size = connector.placement.dp_size
+        if desc.num_ubatches > 1:  # its stage contexts were armed and built by AFDUBatchRunner.prepare
+            counts = staged_counts(stage_sizes(desc.num_tokens, desc.num_ubatches), dp_size)
+        else:
+            counts = {0: capture_counts(desc.num_tokens, dp_size)}
+            self.afd_runner.afd_capture_arm.arm()
+        connector.publish(counts, is_warmup=warmup, is_graph_capturing=not warmup)
+
+    def dispatch(self, num_reqs: int, num_tokens: int, uniform_token_count: int | None, num_active_loras: int,
+                 max_query_len: int | None = None, num_ubatches: int = 1) -> Any:
+        """A uniform decode step splits into the planner's stage count: its split graph, else eager stages.
+
+        Only uniform decodes split on the CUDA attention: a decode reads no KV another request of the
+        step writes, so vLLM's prefix-cache veto (`_allow_microbatching`, V1 only) is never needed
+        (docs/decisions.md item 39).
+        """
+        if num_ubatches == 1 and self.ubatch_runner is not None and uniform_token_count == self.decode_query_len:
+            num_ubatches = stages_for_step(self.ubatch_runner.num_ubatches, num_tokens,
+                                           min_tokens_per_stage=self.afd_runner.afd_min_tokens_per_stage)
+        return super().dispatch(num_reqs, num_tokens, uniform_token_count, num_active_loras,
+                                max_query_len=max_query_len, num_ubatches=num_ubatches)
+
+    def _maybe_ubatch_twin(self, desc: Any) -> Any:
+        """A FULL uniform-decode capture size the planner splits gets a twin graph of `num_stages` stages."""
+        if self.ubatch_runner is None or desc.cg_mode != CUDAGraphMode.FULL or not desc.num_reqs:
+            return None
+        per_request, remainder = divmod(desc.num_tokens, desc.num_reqs)
+        if remainder or per_request != self.decode_query_len or desc.uniform_token_count not in (None, per_request):
+            return None
+        num_stages = self.ubatch_runner.num_ubatches
+        if stages_for_step(num_stages, desc.num_tokens,
+                           min_tokens_per_stage=self.afd_runner.afd_min_tokens_per_stage) == 1:
+            return None
+        return replace(desc, num_ubatches=num_stages, uniform_token_count=per_request)
 
 
 def bind_cudagraph_manager(runner: Any) -> type[AFDModelCudaGraphManager]:

@@ -36,8 +36,6 @@ class AFDCPUAttentionModelRunner(AFDAttentionRunnerMixin, CPUModelRunner):
     """V1 CPU runner whose model is the attention half; see the module docstring."""
 
     def __init__(self, vllm_config: Any, device: Any, afd_config: AFDConfig, placement: Placement):
-        self.afd_num_stages = afd_config.num_stages
-        self.afd_min_tokens_per_stage = afd_config.min_tokens_per_stage
         self._afd_in_execute = False  # only execute_model's steps may split (dummy runs stay one stage)
         super().__init__(vllm_config, device, afd_config, placement)
 

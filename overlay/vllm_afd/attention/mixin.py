@@ -38,8 +38,13 @@ class AFDAttentionRunnerMixin:
     # V2 publishes each step's payload from its per-step hook (so contexts arrive
     # published); V1 publishes lazily from the first AFD op of each forward context.
     afd_publishes_per_step: bool = False
+    # What the send op yields to the next stage in a split step (models/proxy.py): V2 hands vLLM's
+    # micro-batch threads on (attention/cuda_stages.py); V1's stage contexts carry their own baton.
+    afd_stage_baton: Any = None
 
     def __init__(self, vllm_config: Any, device: Any, afd_config: AFDConfig, placement: Placement):
+        self.afd_num_stages = afd_config.num_stages  # before super(): the runners' num_ubatches reads it
+        self.afd_min_tokens_per_stage = afd_config.min_tokens_per_stage
         super().__init__(vllm_config, device)
         self._afd_unhook: Any = None
         self._afd_handle: int | None = None
@@ -122,13 +127,16 @@ class AFDAttentionRunnerMixin:
         return super().sample_tokens(*args, **kwargs)
 
     # ---- forward-context sidecar ------------------------------------------------------
-    def _afd_context_runs_model(self, context: ForwardContext) -> bool:
-        """Whether a context will run the model; V1 contexts always do."""
-        return True
+    def _afd_context_stage(self, context: ForwardContext) -> int | None:
+        """The stage a new context runs, or None when it runs no model; V1 contexts always run the model
+        (its stage contexts are made by the CPU runner, with their sidecars)."""
+        return 0
 
     def _install_afd_sidecar(self, context: ForwardContext) -> None:
         """Forward-context hook: attach this forward's sidecar. Python only: it also runs
         inside FULL CUDA-graph capture, so no device work, sync or send here."""
-        if self._afd_context_runs_model(context):
+        stage = self._afd_context_stage(context)
+        if stage is not None:
             context.additional_kwargs[SIDECAR_KEY] = ForwardSidecar(
-                self._afd_handle, published=self.afd_publishes_per_step, is_profile=self._afd_in_profile)
+                self._afd_handle, stage=stage, published=self.afd_publishes_per_step, is_profile=self._afd_in_profile,
+                baton=self.afd_stage_baton)

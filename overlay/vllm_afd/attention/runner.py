@@ -7,6 +7,10 @@ forward context, so the control payload is published from the per-step hook
 executed step, eager or replay, dummy and profile steps included; capture forwards
 publish from the graph manager's capture hook (capture.py).
 
+With `num_stages` > 1 the runner hands vLLM its stage count and micro-batch runner (patch
+`mrv2-add-num-ubatches`, attention/cuda_stages.py); the graph manager decides which steps split
+(capture.py), and `before_model_forward` publishes every stage's rows.
+
 Graphs record the pairing they were captured under (the peer's IPC slots, the NCCL communicator),
 so after the connector re-formed with a restarted FFN (attention/healing.py) the next step first
 drops them (patch `cudagraph-add-release-graphs`, vLLM 0.32's `release_graphs`) and records them
@@ -23,8 +27,9 @@ from vllm.forward_context import ForwardContext
 from vllm.v1.worker.gpu.model_runner import GPUModelRunner
 
 from vllm_afd.attention.capture import CaptureArm, bind_cudagraph_manager
+from vllm_afd.attention.cuda_stages import DBO_BATON, AFDUBatchRunner
 from vllm_afd.attention.mixin import AFDAttentionRunnerMixin
-from vllm_afd.attention.payloads import step_counts
+from vllm_afd.attention.payloads import staged_counts, step_counts
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +38,7 @@ class AFDAttentionModelRunner(AFDAttentionRunnerMixin, GPUModelRunner):
     """Model Runner V2 whose model is the attention half."""
 
     afd_publishes_per_step = True
+    afd_stage_baton = DBO_BATON
 
     def __init__(self, vllm_config: Any, device: Any, afd_config: Any, placement: Any):
         self.afd_capture_arm = CaptureArm()  # before super(): the context hook is live from there
@@ -44,6 +50,20 @@ class AFDAttentionModelRunner(AFDAttentionRunnerMixin, GPUModelRunner):
     @property
     def cudagraph_manager_cls(self) -> type:
         return self._afd_cudagraph_manager_cls
+
+    @property
+    def num_ubatches(self) -> int:
+        """Patch `mrv2-add-num-ubatches`: one attention metadata builder per stage."""
+        return self.afd_num_stages
+
+    def build_ubatch_runner(self) -> Any:
+        """Patch `mrv2-add-num-ubatches`: vLLM's micro-batch runner with AFD's stage count (at DP 1:
+        stages refuse attention DP > 1, validation.check_features), or none for one stage."""
+        if self.afd_num_stages == 1:
+            return super().build_ubatch_runner()
+        return AFDUBatchRunner(self.vllm_config, self.device, self.model_state, self.attn_groups,
+                               self.kv_cache_config, self.max_num_reqs, num_ubatches=self.afd_num_stages,
+                               arm=self.afd_capture_arm)
 
     def capture_model(self, *args: Any, **kwargs: Any) -> int:
         size = super().capture_model(*args, **kwargs)
@@ -68,8 +88,13 @@ class AFDAttentionModelRunner(AFDAttentionRunnerMixin, GPUModelRunner):
     def before_model_forward(self, batch_desc: Any, input_batch: Any, dp_sync: Any,
                              ubatch_state: Any) -> None:
         super().before_model_forward(batch_desc, input_batch, dp_sync, ubatch_state)
+        if ubatch_state is None:
+            counts = {0: self._afd_step_counts(batch_desc, dp_sync)}
+        else:
+            counts = staged_counts([s.num_tokens for s in ubatch_state.slices],
+                                   self.vllm_config.parallel_config.data_parallel_size)
         self.afd_connector.publish(
-            {0: self._afd_step_counts(batch_desc, dp_sync)},
+            counts,
             is_graph_replaying=batch_desc.cg_mode == CUDAGraphMode.FULL,
             is_profile=self._afd_in_profile,
         )
@@ -82,7 +107,7 @@ class AFDAttentionModelRunner(AFDAttentionRunnerMixin, GPUModelRunner):
             batch_desc.num_tokens,
             None if dp_sync is None else dp_sync.num_tokens_across_dp.tolist())
 
-    def _afd_context_runs_model(self, context: ForwardContext) -> bool:
-        # FULL warm-up and capture forwards carry no batch descriptor, like KV-connector side
-        # contexts; the capture hook arms the one that follows it (capture.py).
-        return self.afd_capture_arm.runs_model(context.batch_descriptor is not None)
+    def _afd_context_stage(self, context: ForwardContext) -> int | None:
+        # FULL warm-up and capture forwards and micro-batch stages carry no batch descriptor, like
+        # KV-connector side contexts; the capture hook or the micro-batch runner arms them (capture.py).
+        return self.afd_capture_arm.stage_of(context.batch_descriptor is not None)

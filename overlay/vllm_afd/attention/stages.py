@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from vllm_afd.config import NUM_STAGES
 
-__all__ = ["StageRange", "plan_stages", "split_tokens", "stage_counts", "stages_for_step"]
+__all__ = ["StageRange", "plan_stages", "split_tokens", "stage_counts", "stage_sizes", "stages_for_step"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +62,18 @@ def stages_for_step(num_stages: int, num_tokens: int, *, min_tokens_per_stage: i
     return num_stages
 
 
+def stage_sizes(num_tokens_padded: int, num_stages: int) -> list[int]:
+    """Tokens (rows) of each stage of a padded step: `num_tokens_padded // k` each, the rest to the last."""
+    num_tokens_padded = _whole("num_tokens_padded", num_tokens_padded, 1)
+    num_stages = _whole("num_stages", num_stages, 1)
+    if num_tokens_padded < num_stages:
+        raise ValueError(
+            f"AFD stages: {num_tokens_padded} tokens cannot fill {num_stages} stages; ask stages_for_step first"
+        )
+    step = num_tokens_padded // num_stages
+    return [step] * (num_stages - 1) + [num_tokens_padded - step * (num_stages - 1)]
+
+
 def split_tokens(num_scheduled_tokens: Sequence[int], num_tokens_padded: int,
                  num_stages: int) -> tuple[StageRange, ...]:
     """vLLM's token-balanced split of a (padded) step into `num_stages` ranges.
@@ -78,13 +90,8 @@ def split_tokens(num_scheduled_tokens: Sequence[int], num_tokens_padded: int,
             f"AFD stages: num_tokens_padded ({num_tokens_padded}) is below the scheduled tokens ({num_tokens}); "
             "pass the step's token count after CUDA-graph and DP padding"
         )
-    if num_tokens_padded < num_stages:
-        raise ValueError(
-            f"AFD stages: {num_tokens_padded} tokens cannot fill {num_stages} stages; ask stages_for_step first"
-        )
     starts = [0, *itertools.accumulate(counts)]  # [num_reqs + 1]: first token of each request, then the end
-    step = num_tokens_padded // num_stages
-    bounds = [step * j for j in range(num_stages)] + [num_tokens_padded]
+    bounds = [0, *itertools.accumulate(stage_sizes(num_tokens_padded, num_stages))]
     ranges = []
     for token_start, token_stop in itertools.pairwise(bounds):
         # The request holding token_start (none past the real tokens), up to the last one starting before token_stop.

@@ -54,8 +54,9 @@ class ForwardSidecar:
     published: bool = False
     # vLLM's memory-profile forward; the lazy V1 publish copies it into the payload's flag.
     is_profile: bool = False
-    # The CPU stage baton (attention/ubatch.py) of a forward that runs as one of several stages: the
-    # send op yields it right after issuing its send. None with one stage.
+    # What the send op yields right after issuing its send, so the next stage runs: the CPU stage
+    # baton (attention/ubatch.py) or vLLM's micro-batch handoff (attention/cuda_stages.py, a no-op
+    # outside a split step). None when the forward never runs as one of several stages.
     baton: Any = None
 
 

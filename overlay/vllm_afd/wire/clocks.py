@@ -65,24 +65,26 @@ class DeviceClock:
             raise IndexError(f"AFD timeline: slot {slot} outside the clock's {self.capacity} slots")
         self._kernel[(1,)](self._slots, slot)
 
-    def seal(self, num_slots: int) -> tuple[torch.cuda.Event, torch.Tensor] | None:
+    def seal(self, num_slots: int) -> tuple[torch.cuda.Event, torch.Tensor, int] | None:
         if torch.cuda.is_current_stream_capturing():
             return None  # nothing executed; the step's record would be garbage
         host = self._free.pop() if self._free else torch.empty(self.capacity, dtype=torch.int64, pin_memory=True)
         host[:num_slots].copy_(self._slots[:num_slots], non_blocking=True)
         event = torch.cuda.Event()
         event.record()
-        return event, host[:num_slots]
+        # NOTE: the whole buffer travels with its length: a view made in inference mode has no `_base`
+        # to pool it back by, and steps differ in length (a split step stamps more slots than a whole one).
+        return event, host, num_slots
 
-    def read(self, ticket: tuple[torch.cuda.Event, torch.Tensor] | None) -> list[int] | None:
+    def read(self, ticket: tuple[torch.cuda.Event, torch.Tensor, int] | None) -> list[int] | None:
         if ticket is None:
             return []
-        event, host = ticket
+        event, host, num_slots = ticket
         if not event.query():
             return None
-        stamps = host.tolist()
+        stamps = host[:num_slots].tolist()
         if len(self._free) < MAX_FREE_HOST_BUFFERS:
-            self._free.append(host._base if host._base is not None else host)
+            self._free.append(host)
         return stamps
 
 

@@ -1,0 +1,195 @@
+"""The CUDA attention's micro-batch stages on CPU (docs/pingpong.md § 4.1, § 9): which steps split, which
+capture sizes get a split graph, what each stage publishes, and which contexts run which stage.
+
+vLLM's own graph manager logic runs (`_init_candidates`, `dispatch`) around AFD's two overrides; the runner
+and manager are built without a device (`object.__new__`), their collaborators are recorders.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+pytest.importorskip("vllm")
+from vllm.config import CUDAGraphMode  # noqa: E402
+from vllm.v1.worker.gpu.cudagraph_utils import BatchExecutionDescriptor  # noqa: E402
+
+from vllm_afd.attention.capture import AFDModelCudaGraphManager, CaptureArm  # noqa: E402
+from vllm_afd.attention.stages import stage_sizes, stages_for_step  # noqa: E402
+
+CAPTURE_SIZES = [1, 2, 4, 8, 16]
+
+
+class Publishes:
+    """The connector as the runner and manager use it: publish() recorded."""
+
+    def __init__(self, dp_size: int = 1) -> None:
+        self.placement = SimpleNamespace(dp_size=dp_size)
+        self.published: list[tuple[dict, dict]] = []
+
+    def publish(self, counts, **flags) -> None:
+        self.published.append((counts, flags))
+
+
+def make_manager(num_stages: int, *, arm: CaptureArm | None = None, connector: Publishes | None = None,
+                 min_tokens_per_stage: int = 1):
+    """vLLM's FULL_DECODE_ONLY candidates built by vLLM's `_init_candidates` with AFD's twin rule."""
+    manager = object.__new__(AFDModelCudaGraphManager)
+    runner = SimpleNamespace(afd_capture_arm=arm or CaptureArm(), afd_connector=connector or Publishes(),
+                             afd_min_tokens_per_stage=min_tokens_per_stage)
+    manager.afd_runner = runner  # the instance's view of the bound class attribute
+    manager.vllm_config = SimpleNamespace(speculative_config=None, cache_config=SimpleNamespace())
+    manager.compilation_config = SimpleNamespace(cudagraph_capture_sizes=CAPTURE_SIZES,
+                                                 max_cudagraph_capture_size=max(CAPTURE_SIZES))
+    manager.cudagraph_mode = CUDAGraphMode.FULL_DECODE_ONLY
+    manager.max_num_reqs = 16
+    manager.decode_query_len = 1
+    manager.varlen_decode = False
+    manager.lora_capture_cases = [0]
+    manager._lora_dispatch_map, manager._max_lora_case = {}, 0
+    manager._candidates, manager._capture_descs = {}, {}
+    manager.ubatch_runner = None if num_stages == 1 else SimpleNamespace(num_ubatches=num_stages)
+    manager._init_candidates()
+    manager._graphs_captured = True
+    return manager
+
+
+@pytest.mark.parametrize("num_stages", [2, 3])
+@pytest.mark.parametrize("min_tokens_per_stage", [1, 4])
+def test_every_capture_size_the_planner_splits_gets_one_split_twin(num_stages, min_tokens_per_stage):
+    manager = make_manager(num_stages, min_tokens_per_stage=min_tokens_per_stage)
+
+    descs = manager._capture_descs[CUDAGraphMode.FULL]
+
+    single = sorted(d.num_tokens for d in descs if d.num_ubatches == 1)
+    split = sorted(d.num_tokens for d in descs if d.num_ubatches > 1)
+    assert single == CAPTURE_SIZES
+    assert split == [n for n in CAPTURE_SIZES if n >= num_stages * min_tokens_per_stage]
+    assert {d.num_ubatches for d in descs if d.num_ubatches > 1} == {num_stages}
+    assert all(d.uniform_token_count == 1 and d.num_reqs == d.num_tokens for d in descs)
+
+
+def test_one_stage_captures_exactly_vllms_graphs():
+    assert [d.num_ubatches for d in make_manager(1)._capture_descs[CUDAGraphMode.FULL]] == [1] * len(CAPTURE_SIZES)
+
+
+@given(num_stages=st.sampled_from([1, 2, 3]), num_tokens=st.integers(1, max(CAPTURE_SIZES)),
+       uniform=st.sampled_from([1, None, 3]), min_tokens_per_stage=st.integers(1, 5))
+def test_a_uniform_decode_splits_as_the_planner_says_and_finds_its_graph(num_stages, num_tokens, uniform,
+                                                                         min_tokens_per_stage):
+    manager = make_manager(num_stages, min_tokens_per_stage=min_tokens_per_stage)
+
+    desc = manager.dispatch(num_tokens, num_tokens, uniform, 0)
+
+    expected = (stages_for_step(num_stages, num_tokens, min_tokens_per_stage=min_tokens_per_stage)
+                if uniform == 1 else 1)
+    assert desc.num_ubatches == expected
+    if uniform == 1:  # FULL_DECODE_ONLY: every decode size has its graph, split or not
+        assert desc.cg_mode == CUDAGraphMode.FULL and desc.num_tokens >= num_tokens
+
+
+def test_a_caller_that_asks_for_micro_batches_keeps_its_count():
+    assert make_manager(2).dispatch(4, 4, 1, 0, num_ubatches=1).num_ubatches == 2
+    assert make_manager(2).dispatch(4, 4, 1, 0, num_ubatches=3).num_ubatches == 3
+
+
+def capture_desc(num_tokens: int, num_ubatches: int) -> BatchExecutionDescriptor:
+    return BatchExecutionDescriptor(cg_mode=CUDAGraphMode.FULL, num_tokens=num_tokens, num_reqs=num_tokens,
+                                    uniform_token_count=1, num_ubatches=num_ubatches)
+
+
+@pytest.mark.parametrize("warmup", [True, False])
+def test_a_split_capture_publishes_every_stage_and_leaves_the_arm_to_the_micro_batch_runner(warmup):
+    connector, arm = Publishes(dp_size=2), CaptureArm()
+    manager = make_manager(3, arm=arm, connector=connector)
+
+    manager.before_capture_forward(capture_desc(8, 3), warmup)
+
+    assert connector.published == [({0: [2, 2], 1: [2, 2], 2: [4, 4]},
+                                     {"is_warmup": warmup, "is_graph_capturing": not warmup})]
+    assert arm.stage_of(False) is None
+
+
+def test_a_one_stage_capture_publishes_stage_zero_and_arms_its_forward():
+    connector, arm = Publishes(), CaptureArm()
+    manager = make_manager(2, arm=arm, connector=connector)
+
+    manager.before_capture_forward(capture_desc(2, 1), False)
+
+    assert connector.published == [({0: [2]}, {"is_warmup": False, "is_graph_capturing": True})]
+    assert arm.stage_of(False) == 0 and arm.stage_of(False) is None
+
+
+@given(num_tokens=st.integers(1, 64), num_stages=st.integers(1, 3))
+def test_stage_sizes_are_vllms_split_of_the_padded_step(num_tokens, num_stages):
+    """The rows each stage publishes equal the token slices vLLM's micro-batch runner makes."""
+    from vllm.v1.worker.ubatch_utils import maybe_create_ubatch_slices
+    import numpy as np
+
+    if num_tokens < num_stages:
+        with pytest.raises(ValueError, match="cannot fill"):
+            stage_sizes(num_tokens, num_stages)
+        return
+    if num_stages == 1:
+        assert stage_sizes(num_tokens, 1) == [num_tokens]
+        return
+    _, slices = maybe_create_ubatch_slices(True, np.ones(num_tokens, dtype=np.int32), num_tokens, num_tokens,
+                                           num_stages)
+
+    assert stage_sizes(num_tokens, num_stages) == [s.num_tokens for s in slices]
+
+
+# ---- the runner's pieces ------------------------------------------------------------------------------
+
+
+def test_the_micro_batch_runner_arms_one_stage_per_context_it_builds(monkeypatch):
+    from vllm.v1.worker.gpu.ubatch_utils import UBatchRunner
+
+    from vllm_afd.attention.cuda_stages import AFDUBatchRunner
+
+    arm = CaptureArm()
+    seen = []
+    # vLLM's prepare builds the k stage contexts (no batch descriptor) in stage order.
+    monkeypatch.setattr(UBatchRunner, "prepare", lambda self, *a, **kw: [arm.stage_of(False) for _ in range(3)])
+    runner = object.__new__(AFDUBatchRunner)
+    runner.num_ubatches, runner.afd_arm = 3, arm
+
+    seen.append(runner.prepare("input_batch", "block_tables", "slot_mappings"))
+    seen.append(arm.stage_of(False))  # a KV-connector side context afterwards
+
+    assert seen == [[0, 1, 2], None]
+
+
+def test_a_split_step_publishes_every_stage_rows_and_a_whole_step_its_padded_batch():
+    from vllm.v1.worker.ubatch_utils import UBatchSlice
+
+    from vllm_afd.attention.runner import AFDAttentionModelRunner
+
+    runner = object.__new__(AFDAttentionModelRunner)
+    runner.afd_connector = Publishes()
+    runner._afd_in_profile = False
+    runner.vllm_config = SimpleNamespace(parallel_config=SimpleNamespace(data_parallel_size=1, data_parallel_rank=0))
+    desc = BatchExecutionDescriptor(cg_mode=CUDAGraphMode.FULL, num_tokens=8, num_reqs=8, num_ubatches=2)
+    state = SimpleNamespace(slices=[UBatchSlice(slice(0, 4), slice(0, 4)), UBatchSlice(slice(4, 8), slice(4, 8))])
+
+    runner.before_model_forward(desc, None, None, state)
+    runner.before_model_forward(BatchExecutionDescriptor(cg_mode=CUDAGraphMode.NONE, num_tokens=5, num_reqs=5),
+                                None, None, None)
+
+    assert [counts for counts, _ in runner.afd_connector.published] == [{0: [4], 1: [4]}, {0: [5]}]
+    assert runner.afd_connector.published[0][1]["is_graph_replaying"] is True
+
+
+def test_the_cuda_stage_baton_is_vllms_handoff_and_does_nothing_outside_micro_batch_threads():
+    import inspect
+
+    from vllm_afd.attention.cuda_stages import DBO_BATON
+    from vllm_afd.attention.runner import AFDAttentionModelRunner
+
+    DBO_BATON.yield_stage()  # no micro-batch thread: returns at once
+
+    assert AFDAttentionModelRunner.afd_stage_baton is DBO_BATON
+    assert "dbo_yield()" in inspect.getsource(type(DBO_BATON).yield_stage)
