@@ -216,9 +216,11 @@ def plain_outputs_qwen(plain_outputs):
 
 def stream_until_error(base_url: str, model: str, results: list, index: int) -> None:
     """Stream a long completion; record (how it ended, when): "error" (an error event or a broken
-    connection), "aborted" (vLLM's finish_reason "abort") or "ended" (all 400 tokens)."""
+    connection), "aborted" (vLLM's finish_reason "abort"), "cut" (the stream closed before its 400
+    tokens with no finish reason: vLLM's fault path does that too, seen in CI) or "ended" (all 400)."""
     body = {"model": model, "prompt": PROMPTS[index % len(PROMPTS)], "max_tokens": 400,
             "ignore_eos": True, "stream": True, "temperature": 0}
+    chunks = 0
     try:
         with requests.post(f"{base_url}/v1/completions", json=body, stream=True,
                            timeout=60) as response:
@@ -229,7 +231,9 @@ def stream_until_error(base_url: str, model: str, results: list, index: int) -> 
                 if line.startswith(b"data: ") and b'"finish_reason":"abort"' in line:
                     results[index] = ("aborted", time.monotonic())
                     return
-        results[index] = ("ended", time.monotonic())
+                if line.startswith(b"data: {"):
+                    chunks += 1
+        results[index] = ("ended" if chunks >= 400 else "cut", time.monotonic())
     except requests.RequestException:
         results[index] = ("error", time.monotonic())
 
@@ -264,7 +268,7 @@ def test_ffn_killed_mid_stream_then_restarted_under_the_same_attention(deploymen
             thread.join(30)
 
         # vLLM's fault tolerance ends the engine's requests as aborted (finish_reason "abort").
-        assert all(result is not None and result[0] in ("error", "aborted") for result in results), results
+        assert all(result is not None and result[0] in ("error", "aborted", "cut") for result in results), results
         assert max(result[1] for result in results) - killed_at < 10.0
         log = afd.attention.log_path.read_text()
         assert "AFD peer lost" in log or "AFDPeerLostError" in log

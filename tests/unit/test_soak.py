@@ -164,3 +164,12 @@ def test_the_engine_dead_500_is_accepted_only_for_a_request_in_flight_when_the_f
     assert classify(died(9.0, 10.5), EXPECTED, DOWN, ffn_deaths=[10.0]) == "engine_died_in_flight"
     assert classify(died(10.2, 10.5), EXPECTED, DOWN, ffn_deaths=[10.0]) == "http_500"  # arrived after: needs the 503
     assert classify(died(9.0, 10.5), EXPECTED, DOWN) == "http_500"
+
+
+def test_a_stream_the_fault_closed_without_an_abort_chunk_ended_by_fault_only_while_in_flight():
+    """vLLM's fault path may close an open stream with [DONE] and no finish reason (seen in CI)."""
+    cut = attempt(kind="stream", status=200, token_ids=(), done=True, finish_reason="", started=9.9, ended=10.2)
+
+    assert classify(cut, EXPECTED, DOWN, ffn_deaths=[10.0]) == "ended_by_fault"
+    assert classify(cut, EXPECTED, DOWN, ffn_deaths=[30.0]) == "wrong_tokens"  # no fault while it was open
+    assert classify(cut._replace(token_ids=(1, 2, 3)), EXPECTED, DOWN, ffn_deaths=[10.0]) == "completed"
