@@ -12,8 +12,9 @@ prefill), so decode tok/s = batch × num_decode_tokens / decode time; each cell 
 `--repeats` rounds.  Greedy, `ignore_eos`.
 
 With more than one stage count every AFD deployment records its per-layer timeline (docs/timeline.md),
-and the script prints, per batch and count: the measured k ÷ 1 ratio next to the one docs/pingpong.md
-§ 10 predicts from the 1-stage costs (scripts/stage_model.py: a, f, t fitted over the batch sizes,
+and the script prints, per batch and count: the measured k ÷ 1 ratio next to the one
+docs/pingpong.md#10-predicted-speed-up predicts from the 1-stage costs (scripts/stage_model.py: a, f, t
+fitted over the batch sizes,
 the layers simulated at n/k tokens per stage), the per-exchange a, f, t the k-stage run measured, each
 role's busy share from the timeline, and the CPU share of each role's processes (/proc: the worker,
 the engine core, the API server) — the places a bubble hides.  `--pin-processes` pins every process of
@@ -229,7 +230,8 @@ def report(targets: list[Target], batch_sizes: list[int], title: str, min_tokens
         cells += [f"{rate[afd[k].label][b] / rate[plain[0].label][b]:.2f}" for k in stages if plain]
         lines.append("| " + " | ".join(cells) + " |")
     if fits is not None:
-        lines += ["", "1-stage costs per exchange, ms, fitted over the batch sizes (docs/pingpong.md § 10): "
+        lines += ["", "1-stage costs per exchange, ms, fitted over the batch sizes "
+                  "(docs/pingpong.md#10-predicted-speed-up): "
                   + ", ".join(f"{name} = {fit.fixed:.3f} + {fit.per_token:.4f}·n"
                               for name, fit in zip(("a", "f", "t"), fits))]
     lines += ["", "Per decode step of the timeline (medians; a, f, t per exchange; layers = first send to last "

@@ -1,4 +1,4 @@
-"""The micro-batch stage model of docs/pingpong.md § 10, fed by measured timelines (no vLLM import).
+"""The micro-batch stage model of docs/pingpong.md#10-predicted-speed-up, fed by measured timelines (no vLLM import).
 
 `scripts/bench_afd_cpu.py --num-stages` prints, next to every measured k ÷ 1 stage ratio, what the
 model predicts from the costs the 1-stage timeline measured, so that a gap between the two points
@@ -10,9 +10,11 @@ at a bubble the model does not know about instead of being read as noise:
   transport t (round trip - f; meaningful at one stage only, where nothing else runs), and each
   role's busy share of the step's layers (compute + send issue ÷ the role's span).
 * `fit_linear`: a(n) = a0 + a1 n (and f, t) over the batch sizes measured with one stage, so the
-  costs of a stage of n/k tokens come from measurements, fixed parts included (§ 10: a0, f0, λ).
+  costs of a stage of n/k tokens come from measurements, fixed parts included
+  (docs/pingpong.md#10-predicted-speed-up: a0, f0, λ).
 * `simulate_layers(a, f, t, num_layers, num_stages)`: the step's layers as two single-core roles
-  and a wire of latency t/2 each way, in E order (docs/pingpong.md § 5), fill and drain included;
+  and a wire of latency t/2 each way, in E order (docs/pingpong.md#5-ordering-why-the-receives-cannot-deadlock),
+  fill and drain included;
   with one stage it is L (a + t + f), in steady state max(k a, k f, a + t + f) per layer.
 
 Transport is modelled as latency, not as either role's CPU time; on CPU gloo's copies run on the

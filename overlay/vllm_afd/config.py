@@ -239,7 +239,8 @@ class AFDConfig:
     num_stages: int = 1
     # Attention only: a step splits only when every stage gets at least this many real tokens; below it the
     # per-stage fixed costs (a round trip, the experts' weight reads, a handoff) outweigh the overlap
-    # (docs/pingpong.md § 3.1, § 10; tuned by scripts/bench_afd_cpu.py, docs/benchmarks.md).
+    # (docs/pingpong.md#31-stage-count-and-ranges-attentionstagespy, docs/pingpong.md#10-predicted-speed-up;
+    # tuned by scripts/bench_afd_cpu.py, docs/benchmarks.md).
     min_tokens_per_stage: int = DEFAULT_MIN_TOKENS_PER_STAGE
     # Options of the selected connector, parsed by it; must be empty for both of ours.
     connector_extra_config: Mapping[Any, Any] = field(default_factory=_FrozenMapping, hash=False)
@@ -382,7 +383,7 @@ def _check_values(values: Mapping[str, Any], *, async_dp: bool, expected_role: s
     if values["min_tokens_per_stage"] < 1:
         raise ValueError(
             f"min_tokens_per_stage must be >= 1, got {values['min_tokens_per_stage']}; set the fewest real tokens a "
-            "micro-batch stage may hold (docs/pingpong.md § 3.1), or leave it out"
+            "micro-batch stage may hold (docs/pingpong.md#31-stage-count-and-ranges-attentionstagespy), or leave it out"
         )
     if not values["host"].strip():
         raise ValueError(

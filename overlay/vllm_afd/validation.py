@@ -134,7 +134,8 @@ def check_features(vllm_config: VllmConfig, afd: AFDConfig, platform: str) -> No
             raise ValueError(
                 f"num_stages={afd.num_stages} with attention data parallelism (--data-parallel-size "
                 f"{parallel.data_parallel_size}) is not supported: the stage decision would need vLLM's DP vote "
-                "(docs/pingpong.md § 3.1). Use --data-parallel-size 1 on the attention, or num_stages 1"
+                "(docs/pingpong.md#31-stage-count-and-ranges-attentionstagespy). Use --data-parallel-size 1 on the "
+                "attention, or num_stages 1"
             )
     _require_size_one("pipeline_parallel_size", parallel.pipeline_parallel_size)
     _require_size_one("prefill_context_parallel_size", parallel.prefill_context_parallel_size)

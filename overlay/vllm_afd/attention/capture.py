@@ -13,7 +13,8 @@ its micro-batches.  So the hook (or, for micro-batches, `AFDUBatchRunner.prepare
 runner's `CaptureArm`: the next descriptor-less contexts are that forward's stages and get
 (published) sidecars; any other descriptor-less context gets none.
 
-With `num_stages` > 1 (docs/pingpong.md § 4.1, § 9) the manager also decides, per step, whether
+With `num_stages` > 1 (docs/pingpong.md#41-model-runner-v2-cuda,
+docs/pingpong.md#9-cuda-graphs-full_decode_only) the manager also decides, per step, whether
 a uniform decode step splits (`dispatch`), and which capture sizes get a split twin graph
 (`_maybe_ubatch_twin`: vLLM's rule with AFD's count and planner in place of DBO's count and
 thresholds; a private method, listed in the rebase report's seam callers).

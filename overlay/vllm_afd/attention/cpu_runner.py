@@ -5,7 +5,8 @@ per-step hook: its forward contexts carry no batch descriptor and its dummy runs
 the model directly, so the control payload is published lazily by the first AFD op of
 each forward context (docs/attention.md#publish-rule), which sees every model forward.
 
-With `num_stages` > 1 (docs/pingpong.md § 3.3, § 4.2) the runner tells V1 its micro-batch count
+With `num_stages` > 1 (docs/pingpong.md#33-per-stage-attention-metadata-v1-cpu-runner,
+docs/pingpong.md#42-v1-cpu-runner) the runner tells V1 its micro-batch count
 (seam `v1-runner-add-num-ubatches`), decides per step whether `execute_model` splits
 (`attention/stages.py`, under vLLM's prefix-cache veto `_allow_microbatching`), and, when V1 made
 the slices and the per-stage attention metadata, runs the native forward once per stage on the

@@ -402,8 +402,9 @@ class AFDConnector:
                 )
         label = "a2f send to ffn rank"
         self._wait_sends(self._pending_a2f.pop(stage, []), label, p.subgroup)  # a stage sent twice: misuse, but safe
-        # NOTE: sends go out in E order (docs/pingpong.md § 5), so the n-th send of a step is exchange n; with
-        # stages it precedes the previous stage's receive, which is what num_exchanges counts.
+        # NOTE: sends go out in E order (docs/pingpong.md#5-ordering-why-the-receives-cannot-deadlock), so the
+        # n-th send of a step is exchange n; with stages it precedes the previous stage's receive, which is what
+        # num_exchanges counts.
         position = self.steps.num_sends
         self._mark(A2F_SEND_START, position)
         pending = self._pending_a2f[stage] = []
