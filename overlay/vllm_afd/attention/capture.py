@@ -17,7 +17,8 @@ With `num_stages` > 1 (docs/pingpong.md#41-model-runner-v2-cuda,
 docs/pingpong.md#9-cuda-graphs-full_decode_only) the manager also decides, per step, whether
 a uniform decode step splits (`dispatch`), and which capture sizes get a split twin graph
 (`_maybe_ubatch_twin`: vLLM's rule with AFD's count and planner in place of DBO's count and
-thresholds; a private method, listed in the rebase report's seam callers).
+thresholds; a private method, pinned by tests/unit/test_cuda_stages.py, which runs vLLM's own
+`_init_candidates` around it).
 """
 
 from __future__ import annotations
@@ -28,8 +29,8 @@ from typing import Any
 from vllm.config import CUDAGraphMode
 from vllm.v1.worker.gpu.cudagraph_utils import ModelCudaGraphManager
 
-from vllm_afd.attention.payloads import capture_counts, staged_counts
-from vllm_afd.attention.stages import stage_sizes, stages_for_step
+from vllm_afd.attention.payloads import capture_counts
+from vllm_afd.attention.stages import stage_counts, stage_sizes, stages_for_step
 
 
 class CaptureArm:
@@ -61,7 +62,7 @@ class AFDModelCudaGraphManager(ModelCudaGraphManager):
         connector = self.afd_runner.afd_connector
         dp_size = connector.placement.dp_size
         if desc.num_ubatches > 1:  # its stage contexts were armed and built by AFDUBatchRunner.prepare
-            counts = staged_counts(stage_sizes(desc.num_tokens, desc.num_ubatches), dp_size)
+            counts = stage_counts(stage_sizes(desc.num_tokens, desc.num_ubatches), dp_size)
         else:
             counts = {0: capture_counts(desc.num_tokens, dp_size)}
             self.afd_runner.afd_capture_arm.arm()

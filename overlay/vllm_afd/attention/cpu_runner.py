@@ -54,21 +54,20 @@ class AFDCPUAttentionModelRunner(AFDAttentionRunnerMixin, CPUModelRunner):
 
     def _determine_batch_execution_and_padding(self, *args: Any, **kwargs: Any) -> Any:
         """V1 sets `should_ubatch` only through its DP vote; at DP 1 (AFD stages refuse DP > 1) the planner
-        answers instead, with vLLM's prefix-cache veto (`allow_microbatching`) as its `allowed`."""
+        answers instead, and vLLM's prefix-cache veto (`allow_microbatching`) keeps a step whole."""
         mode, desc, should_ubatch, tokens_across_dp, stats = super()._determine_batch_execution_and_padding(
             *args, **kwargs)
         if self._afd_in_execute and self.afd_num_stages > 1:
+            wanted = stages_for_step(self.afd_num_stages, kwargs["num_tokens"],
+                                     min_tokens_per_stage=self.afd_min_tokens_per_stage)
             allowed = kwargs.get("allow_microbatching", True)
-            count = stages_for_step(self.afd_num_stages, kwargs["num_tokens"],
-                                    min_tokens_per_stage=self.afd_min_tokens_per_stage, allowed=allowed)
-            if not allowed and count == 1 and stages_for_step(
-                    self.afd_num_stages, kwargs["num_tokens"], min_tokens_per_stage=self.afd_min_tokens_per_stage) > 1:
+            if wanted > 1 and not allowed:
                 # NOTE: the evidence the prefix-hit e2e case reads (tests/e2e/test_afd_stages.py); once per step size,
                 # since a shared prompt prefix under load can make it frequent.
                 logger.info_once("AFD CPU attention: vLLM vetoed splitting a step of %d tokens (a prefix-cache reader "
                                  "and its writer in one batch, _allow_microbatching); it runs as 1 stage",
                                  kwargs["num_tokens"])
-            should_ubatch = count > 1
+            should_ubatch = allowed and wanted > 1
         return mode, desc, should_ubatch, tokens_across_dp, stats
 
     def _model_forward(self, input_ids: torch.Tensor | None = None, positions: torch.Tensor | None = None,

@@ -29,8 +29,3 @@ def capture_counts(num_tokens: int, num_dp_ranks: int) -> list[int]:
     """A graph warm-up or capture forward: every DP rank records the same descriptor."""
     return [int(num_tokens)] * num_dp_ranks
 
-
-def staged_counts(stage_tokens: Sequence[int], num_dp_ranks: int) -> dict[int, list[int]]:
-    """A step split into stages: per stage, its rows for every attention DP rank alike (vLLM's micro-batches
-    pad every DP rank alike, `UBatchRunner._make_forward_contexts`)."""
-    return {stage: [int(n)] * num_dp_ranks for stage, n in enumerate(stage_tokens)}

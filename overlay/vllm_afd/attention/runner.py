@@ -29,7 +29,8 @@ from vllm.v1.worker.gpu.model_runner import GPUModelRunner
 from vllm_afd.attention.capture import CaptureArm, bind_cudagraph_manager
 from vllm_afd.attention.cuda_stages import DBO_BATON, AFDUBatchRunner
 from vllm_afd.attention.mixin import AFDAttentionRunnerMixin
-from vllm_afd.attention.payloads import staged_counts, step_counts
+from vllm_afd.attention.payloads import step_counts
+from vllm_afd.attention.stages import stage_counts
 
 logger = logging.getLogger(__name__)
 
@@ -91,7 +92,7 @@ class AFDAttentionModelRunner(AFDAttentionRunnerMixin, GPUModelRunner):
         if ubatch_state is None:
             counts = {0: self._afd_step_counts(batch_desc, dp_sync)}
         else:
-            counts = staged_counts([s.num_tokens for s in ubatch_state.slices],
+            counts = stage_counts([s.num_tokens for s in ubatch_state.slices],
                                    self.vllm_config.parallel_config.data_parallel_size)
         self.afd_connector.publish(
             counts,

@@ -113,9 +113,11 @@ def plan_stages(num_stages: int, num_scheduled_tokens: Sequence[int], num_tokens
     return split_tokens(num_scheduled_tokens, num_tokens_padded, count)
 
 
-def stage_counts(ranges: Sequence[StageRange], num_dp_ranks: int) -> dict[int, list[int]]:
-    """The payload's counts: per stage, its rows for every attention DP rank alike (vLLM pads them so)."""
+def stage_counts(stage_rows: Sequence[int], num_dp_ranks: int) -> dict[int, list[int]]:
+    """The payload's counts from each stage's rows (`stage_sizes`, a `StageRange.num_tokens`, or a vLLM
+    micro-batch slice's): per stage, its rows for every attention DP rank alike (vLLM pads them so,
+    `UBatchRunner._make_forward_contexts`)."""
     num_dp_ranks = _whole("num_dp_ranks", num_dp_ranks, 1)
-    if not ranges:
+    if not stage_rows:
         raise ValueError("AFD stages: no stages; a step runs at least one (plan_stages)")
-    return {stage: [r.num_tokens] * num_dp_ranks for stage, r in enumerate(ranges)}
+    return {stage: [int(rows)] * num_dp_ranks for stage, rows in enumerate(stage_rows)}
