@@ -129,14 +129,6 @@ def check_features(vllm_config: VllmConfig, afd: AFDConfig, platform: str) -> No
             "remove them. AFD's own micro-batches are additional_config[\"afd\"][\"num_stages\"] "
             "(docs/pingpong.md)."
         )
-    if afd.num_stages > 1 and role == "attention":
-        if parallel.data_parallel_size > 1:
-            raise ValueError(
-                f"num_stages={afd.num_stages} with attention data parallelism (--data-parallel-size "
-                f"{parallel.data_parallel_size}) is not supported: the stage decision would need vLLM's DP vote "
-                "(docs/pingpong.md#31-stage-count-and-ranges-attentionstagespy). Use --data-parallel-size 1 on the "
-                "attention, or num_stages 1"
-            )
     _require_size_one("pipeline_parallel_size", parallel.pipeline_parallel_size)
     _require_size_one("prefill_context_parallel_size", parallel.prefill_context_parallel_size)
     _require_size_one("decode_context_parallel_size", parallel.decode_context_parallel_size)

@@ -155,8 +155,10 @@ def test_ffn_serving_another_model_is_refused_by_the_handshake(tiny_model_dir, v
     # stages' all-reduces in one baton order; batch-1 steps stay one stage, so both paths run here.
     (["--tensor-parallel-size", "2"], "0|1", 2),
     # Attention DP: two engine cores (and two API servers) behind one port; the idle rank runs
-    # vLLM's dummy batches, which cross to the FFN as one row each. Stages refuse DP > 1 (config.md).
-    (["--data-parallel-size", "2"], "1|1", 1),
+    # vLLM's dummy batches, which cross to the FFN as one row each.  With stages vLLM's DP vote splits a
+    # step only when both ranks want to (the batch of 5: 3 + 2 requests) and pads both alike; an idle rank's
+    # dummy step keeps both whole (the one-by-one requests).
+    (["--data-parallel-size", "2"], "1|1", 2),
 ], ids=["tp2", "dp2"])
 def test_two_attention_ranks_share_one_ffn(tiny_model_dir, vllm_python, tmp_path, plain_outputs_qwen,
                                            attention_args, attention_cpus, num_stages):

@@ -187,6 +187,44 @@ def test_v1_runner_reads_its_micro_batch_count_only_through_the_property(pinned_
     assert "use_ubatching" not in veto  # the prefix-cache veto runs for a runner's own micro-batches too
 
 
+def test_v1_dp_vote_asks_the_runner_for_its_micro_batch_count(pinned_tree: Path) -> None:
+    """`v1-runner-add-ubatch-vote`: the runner's `num_ubatches_for` (default: DBO's thresholds, its count) is what
+    `coordinate_batch_across_dp` asks; without it the vote keeps the pinned threshold call and count."""
+    runner = parse(pinned_tree, V1_RUNNER)
+    method = find_def(runner, "GPUModelRunner.num_ubatches_for")
+    assert param_names(method) == ["self", "num_tokens", "uniform_decode"]
+    assert "check_ubatch_thresholds(self.parallel_config, num_tokens, uniform_decode)" in ast.unparse(method)
+    determine = call_sites(find_def(runner, "GPUModelRunner._determine_batch_execution_and_padding"),
+                           "coordinate_batch_across_dp")
+    assert [ast.unparse(k) for k in determine[0].call.keywords][-1] == "num_ubatches_for=self.num_ubatches_for"
+
+    dp_utils = parse(pinned_tree, "vllm/v1/worker/dp_utils.py")
+    coordinate = ast.unparse(find_def(dp_utils, "coordinate_batch_across_dp"))
+    assert "num_ubatches = num_ubatches_for(num_tokens_unpadded, uniform_decode)" in coordinate
+    assert "should_attempt_ubatching = check_ubatch_thresholds(parallel_config, num_tokens_unpadded" in coordinate
+    sync = ast.unparse(find_def(dp_utils, "_synchronize_dp_ranks"))
+    assert "_post_process_ubatch(tensor, num_ubatches or parallel_config.num_ubatches)" in sync
+
+
+def test_mrv2_dp_vote_asks_the_micro_batch_runner_for_its_count(pinned_tree: Path) -> None:
+    """`mrv2-add-ubatch-vote`: execute_model passes its UBatchRunner's `num_ubatches_for` (default: DBO's
+    thresholds, its count) to the DP sync, which asks it with the fewest tokens on any rank; without it the
+    sync keeps the pinned `check_ubatch_thresholds` + `get_num_ubatches` pair."""
+    method = find_def(parse(pinned_tree, UBATCH), "UBatchRunner.num_ubatches_for")
+    assert param_names(method) == ["self", "num_tokens", "uniform_decode"]
+    assert "check_ubatch_thresholds(self.parallel_config, num_tokens, uniform_decode)" in ast.unparse(method)
+    execute = call_sites(find_def(parse(pinned_tree, MRV2), "GPUModelRunner.execute_model"), "dispatch_cg_and_sync_dp")
+    assert [ast.unparse(k) for k in execute[0].call.keywords][-1] == (
+        "num_ubatches_for=None if self.ubatch_runner is None else self.ubatch_runner.num_ubatches_for")
+
+    dp_utils = parse(pinned_tree, "vllm/v1/worker/gpu/dp_utils.py")
+    dispatch = find_def(dp_utils, "dispatch_cg_and_sync_dp")
+    assert param_names(dispatch)[-1] == "num_ubatches_for"
+    sync = ast.unparse(find_def(dp_utils, "sync_cudagraph_and_dp_padding"))
+    assert "num_ubatches = num_ubatches_for(min_num_tokens, bool(uniform_decode_across_dp))" in sync
+    assert "num_ubatches = get_num_ubatches(parallel_config)" in sync  # the default arm: the pinned pair
+
+
 def test_before_capture_forward_signature(pinned_tree: Path) -> None:
     hook = find_def(parse(pinned_tree, CUDAGRAPH), "CudaGraphManager.before_capture_forward")
 

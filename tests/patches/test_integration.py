@@ -131,7 +131,8 @@ def test_rebase_report_on_0_33_finds_the_batch_descriptor_change(run, tmp_path):
     """0.33 builds a batch descriptor whenever a token count is given (issue 14): the seam-context check
     sees that "no descriptor" changed meaning.  0.33 also rewrote the statements above Model Runner V2's
     micro-batch runner construction, so `mrv2-add-num-ubatches` (issue 13) needs a refresh there: the
-    report names its one conflicting hunk and the new statements before the hook; everything else places."""
+    report names its one conflicting hunk and the new statements before the hook; and it changed the DP sync's
+    signature and its call in `execute_model`, where `mrv2-add-ubatch-vote` conflicts; everything else places."""
     wh.fetch_wheel("vllm", "0.33.0", wheel_cache(), timeout_s=1800)
     report = tmp_path / "r.json"
 
@@ -140,10 +141,13 @@ def test_rebase_report_on_0_33_finds_the_batch_descriptor_change(run, tmp_path):
     data = json.loads(report.read_text())
     statuses = {p["name"]: p["status"] for p in data["patches"]}
     assert code == 1 and statuses.pop("mrv2-add-num-ubatches.patch") == "failed"
+    assert statuses.pop("mrv2-add-ubatch-vote.patch") == "failed"
     assert set(statuses.values()) == {"applied"}
-    failed = next(p for p in data["patches"] if p["name"] == "mrv2-add-num-ubatches.patch")
-    assert [(h["path"], h["hunk"]) for h in failed["hunks"] if h["status"] == "conflict"] == [
-        ("vllm/v1/worker/gpu/model_runner.py", 2)]
+    conflicts = {p["name"]: [(h["path"], h["hunk"]) for h in p["hunks"] if h["status"] == "conflict"]
+                 for p in data["patches"] if p["status"] == "failed"}
+    assert conflicts == {"mrv2-add-num-ubatches.patch": [("vllm/v1/worker/gpu/model_runner.py", 2)],
+                         "mrv2-add-ubatch-vote.patch": [("vllm/v1/worker/gpu/dp_utils.py", 2),
+                                                        ("vllm/v1/worker/gpu/model_runner.py", 1)]}
     assert [(f["kind"], f["patch"], f["path"]) for f in data["findings"]] == [
         ("seam-context", "forward-context-add-hook-registry.patch", "vllm/forward_context.py"),
         ("ordering", "mrv2-add-num-ubatches.patch", "vllm/v1/worker/gpu/model_runner.py")]
@@ -161,7 +165,7 @@ def test_second_pin_builds_both_flavors_at_zero_fuzz(run, tmp_path):
 
     built = sorted(p.name for p in tmp_path.glob("*.whl"))
     assert code == 0, out
-    assert out.count("OK: 22 patches, 65 hunks (65 exact) on vllm") == 2
+    assert out.count("OK: 24 patches, 81 hunks (81 exact) on vllm") == 2
     assert [name.split("-")[:2] for name in built] == [["vllm", built[0].split("-")[1]],
                                                        ["vllm_cpu", built[0].split("-")[1]]]
     assert built[0].split("-")[1].startswith("0.32.0+afd.g")

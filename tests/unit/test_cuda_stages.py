@@ -1,8 +1,9 @@
 """The CUDA attention's micro-batch stages on CPU (docs/pingpong.md § 4.1, § 9): which steps split, which
 capture sizes get a split graph, what each stage publishes, and which contexts run which stage.
 
-vLLM's own graph manager logic runs (`_init_candidates`, `dispatch`) around AFD's two overrides; the runner
-and manager are built without a device (`object.__new__`), their collaborators are recorders.
+vLLM's own graph manager logic runs (`_init_candidates`, `dispatch`) around AFD's two overrides, and vLLM's
+own DP vote (`sync_cudagraph_and_dp_padding`) around `AFDUBatchRunner.num_ubatches_for`; the runners and the
+manager are built without a device (`object.__new__`), their collaborators are recorders.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from vllm.config import CUDAGraphMode  # noqa: E402
 from vllm.v1.worker.gpu.cudagraph_utils import BatchExecutionDescriptor  # noqa: E402
 
 from vllm_afd.attention.capture import AFDModelCudaGraphManager, CaptureArm  # noqa: E402
+from vllm_afd.attention.cuda_stages import AFDUBatchRunner  # noqa: E402
 from vllm_afd.attention.stages import stage_sizes, stages_for_step  # noqa: E402
 
 CAPTURE_SIZES = [1, 2, 4, 8, 16]
@@ -34,24 +36,31 @@ class Publishes:
         self.published.append((counts, flags))
 
 
+def make_ubatch_runner(num_stages: int, min_tokens_per_stage: int) -> AFDUBatchRunner:
+    """AFD's micro-batch runner without its CUDA streams: the count and the planner's threshold."""
+    ubatch_runner = object.__new__(AFDUBatchRunner)
+    ubatch_runner.num_ubatches, ubatch_runner.afd_min_tokens_per_stage = num_stages, min_tokens_per_stage
+    return ubatch_runner
+
+
 def make_manager(num_stages: int, *, arm: CaptureArm | None = None, connector: Publishes | None = None,
-                 min_tokens_per_stage: int = 1):
-    """vLLM's FULL_DECODE_ONLY candidates built by vLLM's `_init_candidates` with AFD's twin rule."""
+                 min_tokens_per_stage: int = 1, dp_size: int = 1, cudagraph_mode=CUDAGraphMode.FULL_DECODE_ONLY):
+    """vLLM's candidates (FULL_DECODE_ONLY, or none) built by vLLM's `_init_candidates` with AFD's twin rule."""
     manager = object.__new__(AFDModelCudaGraphManager)
     runner = SimpleNamespace(afd_capture_arm=arm or CaptureArm(), afd_connector=connector or Publishes(),
-                             afd_min_tokens_per_stage=min_tokens_per_stage)
+                             afd_min_tokens_per_stage=min_tokens_per_stage, dp_size=dp_size)
     manager.afd_runner = runner  # the instance's view of the bound class attribute
     manager.vllm_config = SimpleNamespace(speculative_config=None, cache_config=SimpleNamespace())
     manager.compilation_config = SimpleNamespace(cudagraph_capture_sizes=CAPTURE_SIZES,
                                                  max_cudagraph_capture_size=max(CAPTURE_SIZES))
-    manager.cudagraph_mode = CUDAGraphMode.FULL_DECODE_ONLY
+    manager.cudagraph_mode = cudagraph_mode
     manager.max_num_reqs = 16
     manager.decode_query_len = 1
     manager.varlen_decode = False
     manager.lora_capture_cases = [0]
     manager._lora_dispatch_map, manager._max_lora_case = {}, 0
     manager._candidates, manager._capture_descs = {}, {}
-    manager.ubatch_runner = None if num_stages == 1 else SimpleNamespace(num_ubatches=num_stages)
+    manager.ubatch_runner = None if num_stages == 1 else make_ubatch_runner(num_stages, min_tokens_per_stage)
     manager._init_candidates()
     manager._graphs_captured = True
     return manager
@@ -94,6 +103,83 @@ def test_a_uniform_decode_splits_as_the_planner_says_and_finds_its_graph(num_sta
 def test_a_caller_that_asks_for_micro_batches_keeps_its_count():
     assert make_manager(2).dispatch(4, 4, 1, 0, num_ubatches=1).num_ubatches == 2
     assert make_manager(2).dispatch(4, 4, 1, 0, num_ubatches=3).num_ubatches == 3
+
+
+def test_at_attention_dp_above_one_the_manager_leaves_the_split_to_vllms_dp_vote():
+    """An idle rank's dummy step has no attention to split: only the vote may split (and then passes its count)."""
+    manager = make_manager(2, dp_size=2)
+
+    assert manager.dispatch(8, 8, 1, 0).num_ubatches == 1
+    assert manager.dispatch(8, 8, 1, 0, num_ubatches=2).num_ubatches == 2
+
+
+# ---- vLLM's DP vote (seam mrv2-add-ubatch-vote) -----------------------------------------------------------
+
+
+def dp_vote(monkeypatch, ranks: list[dict], num_stages: int, min_tokens_per_stage: int, cudagraph_mode):
+    """vLLM's `sync_cudagraph_and_dp_padding` on every DP rank, as execute_model calls it (through
+    `dispatch_cg_and_sync_dp`), over a simulated all-reduce: a first pass collects each rank's
+    contribution, the second sums them, as gloo would.  Returns each rank's (descriptor, sync)."""
+    from vllm.v1.worker.gpu import dp_utils
+
+    monkeypatch.setattr(dp_utils, "get_dp_group", lambda: SimpleNamespace(cpu_group=None))
+    contributions: list = []
+    reduce = {"op": lambda tensor, group=None: contributions.append(tensor.clone())}
+    monkeypatch.setattr(dp_utils, "dist", SimpleNamespace(all_reduce=lambda tensor, group=None: reduce["op"](tensor)))
+    parallel_config = SimpleNamespace(use_ubatching=False, num_ubatches=1)  # vLLM's DBO is off under AFD
+
+    def call(rank: int, step: dict):
+        manager = make_manager(num_stages, min_tokens_per_stage=min_tokens_per_stage, dp_size=len(ranks),
+                               cudagraph_mode=cudagraph_mode)
+        return dp_utils.dispatch_cg_and_sync_dp(
+            manager, step["num_reqs"], step["num_tokens"], step["uniform"], len(ranks), rank,
+            max_query_len=step["max_query_len"], parallel_config=parallel_config,
+            allow_ubatching=num_stages > 1 and not step.get("skip_attn", False),
+            uniform_decode=step["uniform"] == 1,
+            num_ubatches_for=None if manager.ubatch_runner is None else manager.ubatch_runner.num_ubatches_for)
+
+    for rank, step in enumerate(ranks):
+        call(rank, step)
+    total = sum(contributions)
+    reduce["op"] = lambda tensor, group=None: tensor.copy_(total)
+    return [call(rank, step) for rank, step in enumerate(ranks)]
+
+
+def decode(num_reqs: int, **extra) -> dict:
+    return {"num_reqs": num_reqs, "num_tokens": num_reqs, "uniform": 1, "max_query_len": 1, **extra}
+
+
+@given(counts=st.lists(st.integers(1, max(CAPTURE_SIZES)), min_size=2, max_size=4),
+       num_stages=st.sampled_from([2, 3]), min_tokens_per_stage=st.integers(1, 4),
+       mode=st.sampled_from([CUDAGraphMode.FULL_DECODE_ONLY, CUDAGraphMode.NONE]))
+def test_dp_ranks_agree_on_one_stage_count_split_alike_and_pad_alike(counts, num_stages, min_tokens_per_stage, mode):
+    """Whatever each rank scheduled, every rank gets the same descriptor: the planner's count for the fewest
+    tokens on any rank, one padded token count, so each stage's rows are equal on all ranks (the payload's
+    rule, stage_counts)."""
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        results = dp_vote(monkeypatch, [decode(n) for n in counts], num_stages, min_tokens_per_stage, mode)
+
+    descs = [desc for desc, _ in results]
+    assert len({(d.num_ubatches, d.cg_mode) for d in descs}) == 1
+    expected = stages_for_step(num_stages, min(counts), min_tokens_per_stage=min_tokens_per_stage)
+    assert descs[0].num_ubatches == expected
+    if expected > 1:  # a whole eager step is not DP-padded (vLLM's rule); a split one is
+        assert len({d.num_tokens for d in descs}) == 1 and descs[0].num_tokens >= max(counts)
+        assert all(sync.num_tokens_across_dp.tolist() == [descs[0].num_tokens] * len(counts) for _, sync in results)
+
+
+def test_a_rank_whose_dummy_step_skips_attention_keeps_every_rank_whole(monkeypatch):
+    results = dp_vote(monkeypatch, [decode(16), decode(1, skip_attn=True)], 2, 1, CUDAGraphMode.FULL_DECODE_ONLY)
+
+    assert [desc.num_ubatches for desc, _ in results] == [1, 1]
+
+
+def test_a_prefill_on_any_rank_keeps_every_rank_whole(monkeypatch):
+    prefill = {"num_reqs": 2, "num_tokens": 40, "uniform": None, "max_query_len": 32}
+
+    results = dp_vote(monkeypatch, [decode(16), prefill], 2, 1, CUDAGraphMode.FULL_DECODE_ONLY)
+
+    assert [desc.num_ubatches for desc, _ in results] == [1, 1]
 
 
 def capture_desc(num_tokens: int, num_ubatches: int) -> BatchExecutionDescriptor:
@@ -193,3 +279,40 @@ def test_the_cuda_stage_baton_is_vllms_handoff_and_does_nothing_outside_micro_ba
 
     assert AFDAttentionModelRunner.afd_stage_baton is DBO_BATON
     assert "dbo_yield()" in inspect.getsource(type(DBO_BATON).yield_stage)
+
+
+@given(counts=st.lists(st.integers(1, max(CAPTURE_SIZES)), min_size=2, max_size=3), threshold=st.integers(1, 16),
+       mode=st.sampled_from([CUDAGraphMode.FULL_DECODE_ONLY, CUDAGraphMode.NONE]))
+def test_the_seams_default_votes_as_the_pinned_release(counts, threshold, mode):
+    """vLLM's own `UBatchRunner.num_ubatches_for` (DBO's thresholds, its count) decides exactly what the pinned
+    sync decided without it (`num_ubatches_for=None`): patched == pristine for DBO at DP > 1."""
+    from vllm.v1.worker.gpu import dp_utils
+    from vllm.v1.worker.gpu.ubatch_utils import UBatchRunner
+
+    parallel_config = SimpleNamespace(use_ubatching=True, num_ubatches=2, dbo_decode_token_threshold=threshold,
+                                      dbo_prefill_token_threshold=threshold)
+    ubatch_runner = object.__new__(UBatchRunner)
+    ubatch_runner.parallel_config, ubatch_runner.num_ubatches = parallel_config, 2
+
+    def vote(num_ubatches_for) -> list:
+        with pytest.MonkeyPatch.context() as monkeypatch:
+            monkeypatch.setattr(dp_utils, "get_dp_group", lambda: SimpleNamespace(cpu_group=None))
+            contributions: list = []
+            reduce = {"op": lambda tensor: contributions.append(tensor.clone())}
+            monkeypatch.setattr(dp_utils, "dist",
+                                SimpleNamespace(all_reduce=lambda tensor, group=None: reduce["op"](tensor)))
+
+            def call(rank: int, n: int):
+                manager = make_manager(2, dp_size=len(counts), cudagraph_mode=mode)  # the same manager both ways
+                desc, sync = dp_utils.dispatch_cg_and_sync_dp(
+                    manager, n, n, 1, len(counts), rank, max_query_len=1, parallel_config=parallel_config,
+                    allow_ubatching=True, uniform_decode=True, num_ubatches_for=num_ubatches_for)
+                return desc, None if sync is None else sync.num_tokens_across_dp.tolist()
+
+            for rank, n in enumerate(counts):
+                call(rank, n)
+            total = sum(contributions)
+            reduce["op"] = lambda tensor: tensor.copy_(total)
+            return [call(rank, n) for rank, n in enumerate(counts)]
+
+    assert vote(ubatch_runner.num_ubatches_for) == vote(None)

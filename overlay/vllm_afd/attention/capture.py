@@ -30,7 +30,7 @@ from vllm.config import CUDAGraphMode
 from vllm.v1.worker.gpu.cudagraph_utils import ModelCudaGraphManager
 
 from vllm_afd.attention.payloads import capture_counts
-from vllm_afd.attention.stages import stage_counts, stage_sizes, stages_for_step
+from vllm_afd.attention.stages import stage_counts, stage_sizes
 
 
 class CaptureArm:
@@ -70,15 +70,17 @@ class AFDModelCudaGraphManager(ModelCudaGraphManager):
 
     def dispatch(self, num_reqs: int, num_tokens: int, uniform_token_count: int | None, num_active_loras: int,
                  max_query_len: int | None = None, num_ubatches: int = 1) -> Any:
-        """A uniform decode step splits into the planner's stage count: its split graph, else eager stages.
+        """At DP 1, a uniform decode step splits into the planner's stage count: its split graph, else eager stages.
 
         Only uniform decodes split on the CUDA attention: a decode reads no KV another request of the
         step writes, so vLLM's prefix-cache veto (`_allow_microbatching`, V1 only) is never needed
-        (docs/decisions.md item 39).
+        (docs/decisions.md item 39).  At DP > 1 vLLM's DP vote decides (seam `mrv2-add-ubatch-vote`,
+        `AFDUBatchRunner.num_ubatches_for`) and passes its count here; deciding again on one rank's
+        dispatch would split a step the vote kept whole (an idle rank's dummy run has no attention to split).
         """
-        if num_ubatches == 1 and self.ubatch_runner is not None and uniform_token_count == self.decode_query_len:
-            num_ubatches = stages_for_step(self.ubatch_runner.num_ubatches, num_tokens,
-                                           min_tokens_per_stage=self.afd_runner.afd_min_tokens_per_stage)
+        if num_ubatches == 1 and self.ubatch_runner is not None and self.afd_runner.dp_size == 1:
+            num_ubatches = self.ubatch_runner.num_ubatches_for(num_tokens,
+                                                               uniform_token_count == self.decode_query_len)
         return super().dispatch(num_reqs, num_tokens, uniform_token_count, num_active_loras,
                                 max_query_len=max_query_len, num_ubatches=num_ubatches)
 
@@ -89,9 +91,8 @@ class AFDModelCudaGraphManager(ModelCudaGraphManager):
         per_request, remainder = divmod(desc.num_tokens, desc.num_reqs)
         if remainder or per_request != self.decode_query_len or desc.uniform_token_count not in (None, per_request):
             return None
-        num_stages = self.ubatch_runner.num_ubatches
-        if stages_for_step(num_stages, desc.num_tokens,
-                           min_tokens_per_stage=self.afd_runner.afd_min_tokens_per_stage) == 1:
+        num_stages = self.ubatch_runner.num_ubatches_for(desc.num_tokens, True)
+        if num_stages == 1:
             return None
         return replace(desc, num_ubatches=num_stages, uniform_token_count=per_request)
 

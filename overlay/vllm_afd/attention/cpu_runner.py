@@ -8,7 +8,9 @@ each forward context (docs/attention.md#publish-rule), which sees every model fo
 With `num_stages` > 1 (docs/pingpong.md#33-per-stage-attention-metadata-v1-cpu-runner,
 docs/pingpong.md#42-v1-cpu-runner) the runner tells V1 its micro-batch count
 (seam `v1-runner-add-num-ubatches`), decides per step whether `execute_model` splits
-(`attention/stages.py`, under vLLM's prefix-cache veto `_allow_microbatching`), and, when V1 made
+(`attention/stages.py`, under vLLM's prefix-cache veto `_allow_microbatching`; at DP > 1 through
+vLLM's DP vote, seam `v1-runner-add-ubatch-vote`, so every rank splits and pads alike or none
+does), and, when V1 made
 the slices and the per-stage attention metadata, runs the native forward once per stage on the
 stage threads of `attention/ubatch.py`, publishing every stage's rows first.  Dummy and profile
 runs stay one stage.
@@ -19,12 +21,12 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from vllm.forward_context import ForwardContext, create_forward_context, get_forward_context
+from vllm.forward_context import DPMetadata, ForwardContext, create_forward_context, get_forward_context
 from vllm.logger import init_logger
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 
 from vllm_afd.attention.mixin import AFDAttentionRunnerMixin
-from vllm_afd.attention.stages import stages_for_step
+from vllm_afd.attention.stages import stage_counts, stages_for_step
 from vllm_afd.attention.ubatch import CPUStageBaton, run_stages
 from vllm_afd.config import AFDConfig
 from vllm_afd.models.proxy import SIDECAR_KEY, ForwardSidecar
@@ -52,14 +54,21 @@ class AFDCPUAttentionModelRunner(AFDAttentionRunnerMixin, CPUModelRunner):
         finally:
             self._afd_in_execute = False
 
+    def num_ubatches_for(self, num_tokens: int, uniform_decode: bool) -> int:
+        """Patch `v1-runner-add-ubatch-vote`: this rank's stage count for a step of `num_tokens` (any step: the
+        prefix-cache veto keeps unsafe ones whole).  Dummy and profile runs stay one stage, so at DP > 1 an
+        idle rank's dummy step keeps every rank whole (the vote splits only if all ranks want to)."""
+        if not self._afd_in_execute:
+            return 1
+        return stages_for_step(self.afd_num_stages, num_tokens, min_tokens_per_stage=self.afd_min_tokens_per_stage)
+
     def _determine_batch_execution_and_padding(self, *args: Any, **kwargs: Any) -> Any:
-        """V1 sets `should_ubatch` only through its DP vote; at DP 1 (AFD stages refuse DP > 1) the planner
-        answers instead, and vLLM's prefix-cache veto (`allow_microbatching`) keeps a step whole."""
+        """V1 sets `should_ubatch` only through its DP vote, which it skips at DP 1: there the planner answers
+        (`num_ubatches_for`), and vLLM's prefix-cache veto (`allow_microbatching`) keeps a step whole."""
         mode, desc, should_ubatch, tokens_across_dp, stats = super()._determine_batch_execution_and_padding(
             *args, **kwargs)
-        if self._afd_in_execute and self.afd_num_stages > 1:
-            wanted = stages_for_step(self.afd_num_stages, kwargs["num_tokens"],
-                                     min_tokens_per_stage=self.afd_min_tokens_per_stage)
+        if self.parallel_config.data_parallel_size == 1 and self._afd_in_execute and self.afd_num_stages > 1:
+            wanted = self.num_ubatches_for(kwargs["num_tokens"], False)
             allowed = kwargs.get("allow_microbatching", True)
             if wanted > 1 and not allowed:
                 # NOTE: the evidence the prefix-hit e2e case reads (tests/e2e/test_afd_stages.py); once per step size,
@@ -84,10 +93,12 @@ class AFDCPUAttentionModelRunner(AFDAttentionRunnerMixin, CPUModelRunner):
                 f"AFD stages: a step with intermediate tensors or model kwargs {sorted(model_kwargs)} cannot run as "
                 f"{len(slices)} stages; expected a text decoder without pipeline parallelism. Set num_stages to 1"
             )
-        self.afd_connector.publish({j: [s.num_tokens] for j, s in enumerate(slices)})
+        # Every DP rank split the same DP-padded count alike (vLLM's vote), so each stage's rows are the same on all.
+        self.afd_connector.publish(stage_counts([s.num_tokens for s in slices],
+                                                self.parallel_config.data_parallel_size))
         logger.info_once("AFD CPU attention: running steps as %d micro-batch stages", len(slices))
         baton = CPUStageBaton(len(slices), self.afd_connector.spec.step_timeout_s)
-        contexts = [self._afd_stage_context(context, j, baton) for j in range(len(slices))]
+        contexts = [self._afd_stage_context(context, j, s.num_tokens, baton) for j, s in enumerate(slices)]
 
         def forward(stage: int) -> Any:
             tokens = slices[stage].token_slice
@@ -103,13 +114,19 @@ class AFDCPUAttentionModelRunner(AFDAttentionRunnerMixin, CPUModelRunner):
                                "cannot be split into stages. Set num_stages to 1")
         return torch.cat(outputs)  # [num_tokens_padded, hidden_size], in stage order
 
-    def _afd_stage_context(self, outer: ForwardContext, stage: int, baton: CPUStageBaton) -> ForwardContext:
+    def _afd_stage_context(self, outer: ForwardContext, stage: int, rows: int, baton: CPUStageBaton) -> ForwardContext:
         """Stage ``stage``'s forward context, as vLLM's UBatchWrapper builds them, with a published sidecar."""
         slot_mapping = outer.slot_mapping[stage] if isinstance(outer.slot_mapping, list) else None
         extra = {key: value for key, value in outer.additional_kwargs.items() if key != SIDECAR_KEY}
+        dp_metadata = None
+        if outer.dp_metadata is not None:  # DP > 1: this stage's rows on every rank, as UBatchWrapper makes them
+            dp_size = self.parallel_config.data_parallel_size
+            dp_metadata = DPMetadata.make(self.parallel_config, rows,
+                                          torch.full((dp_size,), rows, dtype=torch.int32, device="cpu"))
         context = create_forward_context(
             outer.attn_metadata[stage], self.vllm_config, cudagraph_runtime_mode=outer.cudagraph_runtime_mode,
-            slot_mapping=slot_mapping, additional_kwargs=extra, skip_compiled=outer.skip_compiled)
+            slot_mapping=slot_mapping, additional_kwargs=extra, skip_compiled=outer.skip_compiled,
+            dp_metadata=dp_metadata)
         # NOTE: this context is ours; its rows were published for every stage at once.
         context.additional_kwargs[SIDECAR_KEY] = ForwardSidecar(self._afd_handle, stage=stage, published=True,
                                                                 baton=baton)

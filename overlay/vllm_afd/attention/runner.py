@@ -58,13 +58,13 @@ class AFDAttentionModelRunner(AFDAttentionRunnerMixin, GPUModelRunner):
         return self.afd_num_stages
 
     def build_ubatch_runner(self) -> Any:
-        """Patch `mrv2-add-num-ubatches`: vLLM's micro-batch runner with AFD's stage count (at DP 1:
-        stages refuse attention DP > 1, validation.check_features), or none for one stage."""
+        """Patch `mrv2-add-num-ubatches`: vLLM's micro-batch runner with AFD's stage count and planner (its
+        `num_ubatches_for` answers vLLM's DP vote at DP > 1, cuda_stages.py), or none for one stage."""
         if self.afd_num_stages == 1:
             return super().build_ubatch_runner()
         return AFDUBatchRunner(self.vllm_config, self.device, self.model_state, self.attn_groups,
                                self.kv_cache_config, self.max_num_reqs, num_ubatches=self.afd_num_stages,
-                               arm=self.afd_capture_arm)
+                               arm=self.afd_capture_arm, min_tokens_per_stage=self.afd_min_tokens_per_stage)
 
     def capture_model(self, *args: Any, **kwargs: Any) -> int:
         size = super().capture_model(*args, **kwargs)
