@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
-import json
 import os
 import statistics
 import sys
@@ -44,7 +43,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "overlay"))
 import stage_model  # noqa: E402
 from vllm_afd.config import DEFAULT_MIN_TOKENS_PER_STAGE  # noqa: E402
-from vllm_afd.wire.timeline import StepRecord  # noqa: E402
 
 from afd_harness.afd import AFDDeployment  # noqa: E402
 from afd_harness.server import VllmServer, complete_batch, cpu_server_env  # noqa: E402
@@ -158,29 +156,15 @@ def timeline_costs(target: Target, batch: int) -> stage_model.ExchangeCosts | No
     """Median per-exchange costs of the target's decode steps of `batch` rows inside its measured windows."""
     if target.timeline is None:
         return None
-
-    def records(role: str) -> list[StepRecord]:
-        path = target.timeline / f"{role}-0.jsonl"
-        if not path.exists():
-            return []
-        return [StepRecord.from_json(json.loads(line)) for line in path.read_text().splitlines() if line]
-
-    windows = target.windows[batch]
-    ffn = {r.step_seq: r for r in records("ffn")}
-    steps = [r for r in records("attention")
-             if r.rows == batch and r.marks and not (r.warmup or r.profile) and r.step_seq in ffn
-             and any(lo <= r.opened_ns <= hi for lo, hi in windows)]
-    if not steps:
-        return None
-    return stage_model.median_costs(stage_model.exchange_costs(r, ffn[r.step_seq]) for r in steps)
+    return stage_model.batch_costs(stage_model.read_steps(target.timeline, "attention"),
+                                   stage_model.read_steps(target.timeline, "ffn"), batch, target.windows[batch])
 
 
 def step_ms(target: Target, batch: int) -> float:
     """Median host time between consecutive decode steps of `batch` rows in the target's windows (attention)."""
-    if target.timeline is None or not (target.timeline / "attention-0.jsonl").exists():
+    if target.timeline is None:
         return float("nan")
-    records = [StepRecord.from_json(json.loads(line))
-               for line in (target.timeline / "attention-0.jsonl").read_text().splitlines() if line]
+    records = stage_model.read_steps(target.timeline, "attention")
     by_seq = {r.step_seq: r for r in records if r.rows == batch
               and any(lo <= r.opened_ns <= hi for lo, hi in target.windows[batch])}
     return median([(by_seq[s + 1].opened_ns - r.opened_ns) / 1e6 for s, r in by_seq.items() if s + 1 in by_seq])
@@ -196,11 +180,6 @@ def cpu_shares(target: Target, batch: int) -> str:
     shares = {name: median([s.get(name, 0.0) for s in target.cpu[batch]]) for name in names}
     return ", ".join(f"{name} {share:.2f}" for name, share in sorted(shares.items(), key=lambda kv: -kv[1])
                      if share >= 0.02)
-
-
-def stages_run(num_stages: int, batch: int, min_tokens_per_stage: int) -> int:
-    """The stages a decode step of `batch` requests runs (attention/stages.py:stages_for_step, vLLM-free copy)."""
-    return num_stages if batch >= num_stages * min_tokens_per_stage else 1
 
 
 def report(targets: list[Target], batch_sizes: list[int], title: str, min_tokens_per_stage: int) -> list[str]:
@@ -222,7 +201,7 @@ def report(targets: list[Target], batch_sizes: list[int], title: str, min_tokens
         for k in split:
             measured = rate[afd[k].label][b] / rate[afd[1].label][b]
             predicted = "—"
-            c1, ran = costs[(1, b)], stages_run(k, b, min_tokens_per_stage)
+            c1, ran = costs[(1, b)], stage_model.stages_run(k, b, min_tokens_per_stage)
             if fits is not None and c1 is not None:
                 step_1 = 1000.0 * b / rate[afd[1].label][b]
                 predicted = f"{step_1 / stage_model.predicted_step_ms(step_1, fits, b, c1.num_layers, ran):.2f}"

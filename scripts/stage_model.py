@@ -12,6 +12,9 @@ at a bubble the model does not know about instead of being read as noise:
 * `fit_linear`: a(n) = a0 + a1 n (and f, t) over the batch sizes measured with one stage, so the
   costs of a stage of n/k tokens come from measurements, fixed parts included
   (docs/pingpong.md#10-predicted-speed-up: a0, f0, λ).
+* `read_steps(directory, role)`, `batch_costs(attention, ffn, rows, windows)`: a deployment's timeline files
+  and the median costs of its decode steps of one batch inside the measured requests' windows; shared by
+  bench_afd_cpu.py and the H200 run (scripts/device/stage_prediction.py), so both read the same steps.
 * `simulate_layers(a, f, t, num_layers, num_stages)`: the step's layers as two single-core roles
   and a wire of latency t/2 each way, in E order (docs/pingpong.md#5-ordering-why-the-receives-cannot-deadlock),
   fill and drain included;
@@ -23,11 +26,14 @@ roles' own cores, which the measured busy shares show (and the model then over-p
 
 from __future__ import annotations
 
+import json
 import statistics
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
-__all__ = ["ExchangeCosts", "Linear", "exchange_costs", "fit_linear", "predicted_step_ms", "simulate_layers"]
+__all__ = ["ExchangeCosts", "Linear", "batch_costs", "exchange_costs", "fit_linear", "predicted_step_ms", "read_steps",
+           "simulate_layers", "stages_run"]
 
 NS_PER_MS = 1e6
 
@@ -93,6 +99,50 @@ def median_costs(costs: Iterable[ExchangeCosts]) -> ExchangeCosts:
         num_layers=costs[0].num_layers, num_stages=costs[0].num_stages,
         **{name: statistics.median(getattr(c, name) for c in costs)
            for name in ("a", "f", "t", "attention_busy", "ffn_busy", "layers_ms")})
+
+
+def read_steps(directory: Path, role: str) -> list:
+    """`<directory>/<role>-0.jsonl` as `StepRecord`s (wire/timeline.py); [] when that rank wrote none.
+
+    Needs overlay/ on sys.path (vllm_afd.wire imports no vLLM); imported here, not at the top, so that the
+    model itself stays a module of plain arithmetic.
+    """
+    from vllm_afd.wire.timeline import StepRecord
+
+    path = directory / f"{role}-0.jsonl"
+    if not path.exists():
+        return []
+    records = []
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        try:
+            records.append(StepRecord.from_json(json.loads(line)))
+        except (ValueError, TypeError, KeyError) as exc:
+            raise ValueError(f"stage_model: {path}:{number} is not a step record ({type(exc).__name__}: {exc}); "
+                             "expected lines written by vllm_afd's timeline. Remove the line or the file.") from exc
+    return records
+
+
+def batch_costs(attention: Iterable[object], ffn: Iterable[object], rows: int,
+                windows: Sequence[Sequence[int]]) -> ExchangeCosts | None:
+    """Median per-exchange costs of the measured decode steps of `rows` rows opened inside `windows`.
+
+    `windows`: (start, end) host ns (time.perf_counter_ns, one clock for every process of a host) of the
+    timed requests; steps outside them (warm-up requests, the prefill-only request, other batches) and
+    warm-up, profile and mark-less steps are left out, and each attention step is joined with the FFN's
+    record of the same step_seq.  None when no step qualifies.
+    """
+    by_seq = {r.step_seq: r for r in ffn}  # type: ignore[attr-defined]
+    steps = [r for r in attention  # type: ignore[attr-defined]
+             if r.rows == rows and r.marks and not (r.warmup or r.profile) and r.step_seq in by_seq
+             and any(lo <= r.opened_ns <= hi for lo, hi in windows)]
+    if not steps:
+        return None
+    return median_costs(exchange_costs(r, by_seq[r.step_seq]) for r in steps)
+
+
+def stages_run(num_stages: int, batch: int, min_tokens_per_stage: int) -> int:
+    """The stages a decode step of `batch` requests runs (attention/stages.py:stages_for_step, vLLM-free copy)."""
+    return num_stages if batch >= num_stages * min_tokens_per_stage else 1
 
 
 @dataclass(frozen=True, slots=True)

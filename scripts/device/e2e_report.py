@@ -278,20 +278,44 @@ def _bench_lines(bench: Mapping[str, Any]) -> list[str]:
 
 
 def _stage_lines(bench: Mapping[str, Any]) -> list[str]:
-    """Micro-batch stages: each split variant's tok/s ÷ its one-stage twin and ÷ plain of the same mode."""
-    rows = []
-    for model, batch, tok_s, variants in _rates_by_batch(bench):
-        for variant in STAGE_VARIANTS:
-            if variant in variants:
-                twin = variant.rsplit("_s", 1)[0]
-                plain = "plain_graphs" if "_graphs_" in variant else "plain_eager"
-                rows.append([model, batch, variant, tok_s(variant), tok_s(twin), ratio(tok_s(variant), tok_s(twin)),
-                             tok_s(plain), ratio(tok_s(variant), tok_s(plain))])
+    """Micro-batch stages: each split variant's tok/s ÷ its one-stage twin, measured and predicted from the twin's
+    timeline (stage_prediction.py), each role's busy share at one stage, and ÷ plain of the same mode."""
+    rows, failures = [], []
+    for model, result in bench.get("models", {}).items():
+        for prompt_len, part in (result.get("by_prompt_len") or {result.get("prompt_len"): result}).items():
+            variants, predictions = part.get("variants", {}), part.get("stage_prediction") or {}
+            if "error" in predictions:  # annotate() raised: the round's other results stand
+                failures.append(f"{model}, {prompt_len} prompt tokens: {predictions['error']}")
+                predictions = {}
+            for batch in part.get("batches", []):
+                def tok_s(name: str, batch: int = batch) -> float | None:
+                    entry = variants.get(name, {}).get(str(batch))
+                    return entry["tok_s"] if entry else None
+                for variant in STAGE_VARIANTS:
+                    if variant not in variants:
+                        continue
+                    twin = variant.rsplit("_s", 1)[0]
+                    plain = "plain_graphs" if "_graphs_" in variant else "plain_eager"
+                    cell = predictions.get(variant, {}).get("batches", {}).get(str(batch), {})
+                    busy = (cell.get("attention_busy_1_stage"), cell.get("ffn_busy_1_stage"))
+                    rows.append([model, prompt_len, batch, variant, tok_s(variant), tok_s(twin),
+                                 ratio(tok_s(variant), tok_s(twin)), cell.get("predicted"),
+                                 None if None in busy else f"{busy[0]:.2f} / {busy[1]:.2f}",
+                                 tok_s(plain), ratio(tok_s(variant), tok_s(plain))])
     if not rows:
         return []
     return ["", "### Micro-batch stages (tok/s, median of repeats; ratios side by side)", "",
-            markdown_table(["model", "batch", "variant", "tok/s", "1 stage", "÷ 1 stage", "plain (same mode)",
-                            "÷ plain"], rows)]
+            markdown_table(["model", "prompt tokens", "batch", "variant", "tok/s", "1 stage", "÷ 1 stage",
+                            "predicted ÷ 1 stage", "attention / FFN busy (1 stage)", "plain (same mode)", "÷ plain"],
+                           rows),
+            "", "Predicted ÷ 1 stage: docs/pingpong.md#10-predicted-speed-up fed by the one-stage twin's timeline "
+            "(per-layer attention compute, FFN compute and transport, fitted over the benched batch sizes; with one "
+            "batch size the fit is flat and never predicts a gain): the twin's step with its layers re-simulated at "
+            "batch ÷ k tokens per stage.  Busy: each role's compute and send issue ÷ its span of the step's layers, "
+            "at one stage.  Both roles share the one H200 (their kernels time-slice), so the prediction is what two "
+            "GPUs, one per role, would give: a miss on one GPU is the sharing as well as any bubble.  —: no "
+            "timeline (run with --timeline).",
+            *(f"Stage prediction failed: {failure}" for failure in failures)]
 
 
 def _prompt_len_lines(bench: Mapping[str, Any]) -> list[str]:

@@ -121,7 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--timeline", action="store_true",
         help="AFD ranks stamp their per-layer timeline (docs/timeline.md) into logs/timeline/<model>/<variant> "
              "(in OUT/logs.tar.gz); "
-             "each round then writes timeline.md and timeline.png there (stamps cost a little throughput)")
+             "each round then writes timeline.md and timeline.png there and predicts each stage variant's "
+             "k ÷ 1 ratio from its one-stage twin's timeline (stamps cost a little throughput)")
     add("--heal-variants", type=_names, default=list(phases.HEAL_VARIANTS),
         help="servers of the heal phase (plain_eager first: the tokens baseline)")
     add("--heal-rounds", type=int, default=1, help="kill and restart the FFN this many times per variant")

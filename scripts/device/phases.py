@@ -26,6 +26,7 @@ import e2e_report as report
 import install_overlay
 import round_records
 import serving
+import stage_prediction
 from run_state import HARNESS, HERE, REPO, Run
 IMPORT_CHECK = """
 import importlib.metadata as m, json, torch, vllm
@@ -279,6 +280,8 @@ def serve_round(run: Run, arch: str, variants: list[str], *, do_tokens: bool, do
                 infos[name]["num_tracebacks_serving"] = serving.scan_log(text[:serving_sizes[name]])["num_tracebacks"]
         if settings.timeline_dir:
             result["timeline"] = _guarded(lambda: timeline_reports(Path(settings.timeline_dir)))
+            if isinstance(result.get("bench"), dict):  # the ranks' files are complete once their servers stopped
+                stage_predictions(result["bench"], Path(settings.timeline_dir))
     return result
 
 
@@ -291,6 +294,13 @@ def timeline_reports(root: Path) -> dict[str, str]:
                               capture_output=True, text=True, timeout=120)
         tables[directory.name] = done.stdout if done.returncode == 0 else f"failed: {done.stderr[-2000:]}"
     return tables
+
+
+def stage_predictions(bench: dict[str, Any], root: Path) -> None:
+    """stage_prediction.annotate on the round's bench; a failure is recorded there, the bench's rates stand."""
+    failed = _guarded(lambda: stage_prediction.annotate(bench, root))
+    if failed:
+        bench["stage_prediction"] = failed
 
 
 def _size(path: Path) -> int:

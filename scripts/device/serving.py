@@ -44,6 +44,8 @@ AFD_VARIANTS = {"afd_eager": (AFD_CONNECTOR, False, "afd", 1),
                    for mode in ("eager", "graphs") for k in (2, 3)}}
 # A split variant's one-stage twin: its tokens and tok/s are compared with it.
 STAGE_TWINS = {variant: variant.rsplit("_s", 1)[0] for variant, spec in AFD_VARIANTS.items() if spec[3] > 1}
+# min_tokens_per_stage of the split variants: every decode step of >= num_stages requests splits.
+MIN_TOKENS_PER_STAGE = 1
 VARIANT_SERVERS = {"plain_eager": "plain_eager", "plain_graphs": "plain_graphs", "pristine_eager": "pristine_eager",
                    **{variant: f"{spec[2]}_attention" for variant, spec in AFD_VARIANTS.items()}}
 CUDA_ONLY_VARIANTS = ("plain_graphs", *(v for v, spec in AFD_VARIANTS.items() if spec[0] != AFD_CONNECTOR))
@@ -88,7 +90,7 @@ def afd_config_json(role: str, port: int, rendezvous_timeout_s: float, connector
     if num_stages > 1:
         # NOTE: every decode step of >= num_stages requests splits (the default, 4 tokens per stage, is
         # the CPU benchmark's); the token cases are small batches and must exercise the split.
-        config.update(num_stages=num_stages, min_tokens_per_stage=1)
+        config.update(num_stages=num_stages, min_tokens_per_stage=MIN_TOKENS_PER_STAGE)
     if timeline_dir:
         config["timeline_dir"] = timeline_dir
     return json.dumps({"afd": config}, sort_keys=True)
@@ -313,11 +315,16 @@ def run_decode_bench(urls: Mapping[str, str], plan: BenchPlan, time_left: Callab
 
 def _decode_bench(urls: Mapping[str, str], plan: BenchPlan,
                   time_left: Callable[[], float], reserve_s: float = 30.0) -> dict[str, Any]:
-    """Interleaved decode timing: rep -> batch -> variant (rotated per rep), max_tokens vs 1-token requests."""
+    """Interleaved decode timing: rep -> batch -> variant (rotated per rep), max_tokens vs 1-token requests.
+
+    `windows_ns` records when each measured max_tokens request ran (time.perf_counter_ns: CLOCK_MONOTONIC,
+    the clock of the servers' timeline records too), so that stage_prediction.py finds its decode steps.
+    """
     from afd_harness.server import complete_batch
 
     variants = list(urls)
     samples: dict[str, dict[int, list[Any]]] = {v: {b: [] for b in plan.batches} for v in variants}
+    windows: dict[str, dict[int, list[list[int]]]] = {v: {b: [] for b in plan.batches} for v in variants}
     errors: dict[str, str] = {}
     token_counts_ok = True
     completed_reps = 0
@@ -331,10 +338,10 @@ def _decode_bench(urls: Mapping[str, str], plan: BenchPlan,
                 if variant in errors:
                     continue
                 try:
-                    started = time.perf_counter()
+                    started, started_ns = time.perf_counter(), time.perf_counter_ns()
                     full = complete_batch(urls[variant], prompts, plan.max_tokens, timeout_s=plan.timeout_s,
                                           ignore_eos=True)
-                    full_s = time.perf_counter() - started
+                    full_s, window = time.perf_counter() - started, [started_ns, time.perf_counter_ns()]
                     started = time.perf_counter()
                     complete_batch(urls[variant], prompts, 1, timeout_s=plan.timeout_s, ignore_eos=True)
                     prefill_s = time.perf_counter() - started
@@ -344,8 +351,10 @@ def _decode_bench(urls: Mapping[str, str], plan: BenchPlan,
                 token_counts_ok &= all(len(g.token_ids or []) == plan.max_tokens for g in full)
                 if rep >= plan.warmup:
                     samples[variant][batch].append(decode_rate(batch, plan.max_tokens, full_s, prefill_s))
+                    windows[variant][batch].append(window)
         completed_reps += 1
     return {"batches": list(plan.batches), "max_tokens": plan.max_tokens, "prompt_len": plan.prompt_len,
             "completed_reps": completed_reps, "warmup": plan.warmup, "token_counts_ok": token_counts_ok,
             "errors": errors,
-            "variants": {v: {str(b): median_rate(s) for b, s in by_batch.items()} for v, by_batch in samples.items()}}
+            "variants": {v: {str(b): median_rate(s) for b, s in by_batch.items()} for v, by_batch in samples.items()},
+            "windows_ns": {v: {str(b): spans for b, spans in by_batch.items()} for v, by_batch in windows.items()}}

@@ -11,8 +11,9 @@ from hypothesis import strategies as st
 
 sys.path.insert(0, str(Path(__file__).parents[2] / "scripts"))
 import stage_model  # noqa: E402
+from _stage_steps import staged_step  # noqa: E402
 
-from vllm_afd.wire.timeline import Mark, StepRecord  # noqa: E402
+from vllm_afd.wire.timeline import StepRecord  # noqa: E402
 
 US = 1000  # ns
 costs = st.floats(min_value=0.0, max_value=10.0, allow_nan=False)
@@ -55,32 +56,6 @@ def test_the_prediction_keeps_the_host_share_and_resimulates_the_layers():
 
     # 1 stage: 4 layers of a + f = 2 ms, 3 ms of host share; 2 stages of the same fixed cost: 4 * 2 + 1 = 9.
     assert stage_model.predicted_step_ms(11.0, fits, 8, 4, 2) == pytest.approx(3.0 + 9.0)
-
-
-def staged_step(a_us: int, f_us: int, wire_us: int, layers: int, stages: int) -> tuple[StepRecord, StepRecord]:
-    """Two stages on one clock, scheduled as the E order runs them (the simulator's schedule)."""
-    attention, ffn = [], []
-    attention_free = ffn_free = 0
-    back = [0] * stages
-    for layer in range(layers):
-        arrive = []
-        for stage in range(stages):
-            attention_free = max(attention_free, back[stage]) + a_us * US
-            attention += [Mark("a2f_send_start", layer, stage, attention_free),
-                          Mark("a2f_send_end", layer, stage, attention_free)]
-            arrive.append(attention_free + wire_us * US // 2)
-        for stage in range(stages):
-            ffn += [Mark("a2f_recv_start", layer, stage, ffn_free)]
-            ffn_free = max(ffn_free, arrive[stage])
-            ffn += [Mark("a2f_recv_end", layer, stage, ffn_free)]
-            ffn_free += f_us * US
-            ffn += [Mark("f2a_send_start", layer, stage, ffn_free), Mark("f2a_send_end", layer, stage, ffn_free)]
-            back[stage] = ffn_free + wire_us * US // 2
-            attention.append(Mark("f2a_recv_end", layer, stage, back[stage]))
-    common = dict(step_seq=7, graph_replay=False, warmup=False, profile=False, rows=8, clock="host",
-                  host_syncs=0, opened_ns=0, closed_ns=0)
-    return (StepRecord("attention", 0, marks=tuple(attention), **common),
-            StepRecord("ffn", 0, marks=tuple(ffn), **common))
 
 
 def test_spans_pair_each_stage_with_its_own_previous_layer():
@@ -146,3 +121,26 @@ def test_the_bench_report_prints_each_ratio_next_to_its_prediction(tmp_path):
     for cells in detail:
         measured, predicted = cells[7].rstrip(")").split(" (")
         assert measured == predicted, cells
+
+
+def test_a_batchs_costs_come_from_its_measured_decode_steps_only():
+    """The selection bench_afd_cpu.py and the H200 run share: rows, request windows, no warm-up, joined FFN step."""
+    import dataclasses
+
+    def step(seq, rows, opened_ns, a_us, **flags):
+        attention, ffn = staged_step(a_us=a_us, f_us=200, wire_us=100, layers=3, stages=1)
+        fields = dict(step_seq=seq, rows=rows, opened_ns=opened_ns, **flags)
+        return dataclasses.replace(attention, **fields), dataclasses.replace(ffn, **fields)
+
+    measured = [step(1, 8, 150, a_us=300), step(2, 8, 160, a_us=300)]
+    decoys = [step(3, 8, 50, a_us=900),  # before the window: a warm-up request
+              step(4, 16, 170, a_us=900),  # another row count (a prefill chunk, another batch)
+              step(5, 8, 180, a_us=900, warmup=True)]
+    attention = [a for a, _ in measured + decoys]
+    ffn = [f for _, f in measured + decoys]
+
+    costs = stage_model.batch_costs(attention, ffn, 8, [(100, 200)])
+
+    assert costs.a == pytest.approx(0.300) and costs.f == pytest.approx(0.200) and costs.t == pytest.approx(0.100)
+    assert stage_model.batch_costs(attention, ffn[1:], 8, [(145, 155)]) is None  # step 1 without its FFN record
+    assert stage_model.batch_costs(attention, ffn, 8, []) is None
