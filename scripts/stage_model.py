@@ -26,7 +26,6 @@ roles' own cores, which the measured busy shares show (and the model then over-p
 
 from __future__ import annotations
 
-import json
 import statistics
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -107,19 +106,10 @@ def read_steps(directory: Path, role: str) -> list:
     Needs overlay/ on sys.path (vllm_afd.wire imports no vLLM); imported here, not at the top, so that the
     model itself stays a module of plain arithmetic.
     """
-    from vllm_afd.wire.timeline import StepRecord
+    from vllm_afd.wire.timeline import read_records
 
     path = directory / f"{role}-0.jsonl"
-    if not path.exists():
-        return []
-    records = []
-    for number, line in enumerate(path.read_text().splitlines(), start=1):
-        try:
-            records.append(StepRecord.from_json(json.loads(line)))
-        except (ValueError, TypeError, KeyError) as exc:
-            raise ValueError(f"stage_model: {path}:{number} is not a step record ({type(exc).__name__}: {exc}); "
-                             "expected lines written by vllm_afd's timeline. Remove the line or the file.") from exc
-    return records
+    return read_records(path) if path.exists() else []
 
 
 def batch_costs(attention: Iterable[object], ffn: Iterable[object], rows: int,

@@ -23,7 +23,6 @@ picture draws both roles on the attention's axis when they do, else each from it
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from collections import defaultdict
@@ -31,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "overlay"))
-from vllm_afd.wire.timeline import StepRecord  # noqa: E402
+from vllm_afd.wire.timeline import StepRecord, read_records  # noqa: E402
 
 COLUMNS = ("attention compute", "round trip", "FFN compute", "transport", "FFN idle", "step", "other")
 
@@ -43,13 +42,10 @@ def load(directory: Path) -> dict[str, list[StepRecord]]:
     if not files:
         raise SystemExit(f"timeline_report: no *.jsonl in {directory}; pass the timeline_dir the ranks wrote to")
     for path in files:
-        records = []
-        for number, line in enumerate(path.read_text().splitlines(), start=1):
-            try:
-                records.append(StepRecord.from_json(json.loads(line)))
-            except (ValueError, TypeError, KeyError) as exc:
-                raise SystemExit(f"timeline_report: {path}:{number} is not a step record ({exc}); "
-                                 "expected lines written by vllm_afd's timeline") from exc
+        try:
+            records = read_records(path)
+        except ValueError as exc:
+            raise SystemExit(f"timeline_report: {exc}") from exc
         ranks[path.stem] = [r for r in records if not (r.warmup or r.profile) and r.marks]
     return ranks
 

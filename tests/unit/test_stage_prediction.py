@@ -133,7 +133,7 @@ def test_a_failed_prediction_is_recorded_and_keeps_the_rounds_results(tmp_path):
     lines = e2e_report._stage_lines({"models": {"m": bench}})
     (row,) = table_rows(lines)
     assert row[6:9] == ["1.5", "—", "—"]
-    assert lines[-1].startswith("Stage prediction failed: m, 512 prompt tokens: ValueError: stage_model: ")
+    assert lines[-1].startswith("Stage prediction failed: m, 512 prompt tokens: ValueError: ")
 
 
 def test_every_prompt_length_gets_its_own_rows_and_prediction(tmp_path):

@@ -19,6 +19,8 @@ joins them by step number.
 
 from __future__ import annotations
 
+import json
+import os
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -130,6 +132,23 @@ class StepRecord:
 
 
 _RECORD_FIELDS = tuple(f.name for f in fields(StepRecord) if f.name != "marks")
+
+
+def read_records(path: str | os.PathLike[str]) -> list[StepRecord]:
+    """A timeline file (one `StepRecord.to_json` object per line, telemetry.py) back as records.
+
+    Raises ValueError naming the file and line of the first line that is not a record.
+    """
+    records = []
+    with open(path, encoding="utf-8") as file:
+        for number, line in enumerate(file, start=1):
+            try:
+                records.append(StepRecord.from_json(json.loads(line)))
+            except (ValueError, TypeError, KeyError) as exc:
+                raise ValueError(f"{path}:{number} is not a step record ({type(exc).__name__}: {exc}); expected "
+                                 "lines written by vllm_afd's timeline (docs/timeline.md). Remove the line or the "
+                                 "file") from exc
+    return records
 
 
 def step_layout(role: str, exchanges_per_stage: int, stages: Sequence[int]) -> list[tuple[str, int, int]]:
