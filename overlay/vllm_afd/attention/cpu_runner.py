@@ -94,8 +94,7 @@ class AFDCPUAttentionModelRunner(AFDAttentionRunnerMixin, CPUModelRunner):
                 f"{len(slices)} stages; expected a text decoder without pipeline parallelism. Set num_stages to 1"
             )
         # Every DP rank split the same DP-padded count alike (vLLM's vote), so each stage's rows are the same on all.
-        self.afd_connector.publish(stage_counts([s.num_tokens for s in slices],
-                                                self.parallel_config.data_parallel_size))
+        self.afd_connector.publish(stage_counts([s.num_tokens for s in slices], self.afd_connector.placement.dp_size))
         logger.info_once("AFD CPU attention: running steps as %d micro-batch stages", len(slices))
         baton = CPUStageBaton(len(slices), self.afd_connector.spec.step_timeout_s)
         contexts = [self._afd_stage_context(context, j, s.num_tokens, baton) for j, s in enumerate(slices)]

@@ -92,8 +92,7 @@ class AFDAttentionModelRunner(AFDAttentionRunnerMixin, GPUModelRunner):
         if ubatch_state is None:
             counts = {0: self._afd_step_counts(batch_desc, dp_sync)}
         else:
-            counts = stage_counts([s.num_tokens for s in ubatch_state.slices],
-                                   self.vllm_config.parallel_config.data_parallel_size)
+            counts = stage_counts([s.num_tokens for s in ubatch_state.slices], self.afd_connector.placement.dp_size)
         self.afd_connector.publish(
             counts,
             is_graph_replaying=batch_desc.cg_mode == CUDAGraphMode.FULL,
