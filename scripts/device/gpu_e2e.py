@@ -44,6 +44,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import e2e_report as report  # noqa: E402
+import heal  # noqa: E402
 import phases  # noqa: E402
 from run_state import HARNESS, REPO, Run  # noqa: E402
 
@@ -123,7 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
              "(in OUT/logs.tar.gz); "
              "each round then writes timeline.md and timeline.png there and predicts each stage variant's "
              "k ÷ 1 ratio from its one-stage twin's timeline (stamps cost a little throughput)")
-    add("--heal-variants", type=_names, default=list(phases.HEAL_VARIANTS),
+    add("--heal-variants", type=_names, default=list(heal.HEAL_VARIANTS),
         help="servers of the heal phase (plain_eager first: the tokens baseline)")
     add("--heal-rounds", type=int, default=1, help="kill and restart the FFN this many times per variant")
     add("--token-max-tokens", type=int, default=24)
@@ -175,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     phase_fns: dict[str, Callable[[Run], dict[str, Any]]] = {
         "models": phases.phase_models, "pristine": phases.phase_pristine, "patch": phases.phase_patch,
         "rtt": phases.phase_rtt, "ipcfloor": phases.phase_ipcfloor, "hooks": phases.phase_hooks,
-        "gputests": phases.phase_gputests, "heal": phases.phase_heal}
+        "gputests": phases.phase_gputests, "heal": heal.phase_heal}
     code = 0
     try:
         phases.reap_leftovers(run)

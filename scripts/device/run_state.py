@@ -1,8 +1,8 @@
 """The state of one `gpu_e2e.py` invocation, shared by the orchestrator and its phases.
 
 `Run` holds the paths, the deadline, the subprocess environment and the summary being
-written; `gpu_e2e.py` creates it and sequences the phases, `phases.py` receives it.  Both
-import this module, and it imports neither of them.
+written; `gpu_e2e.py` creates it and sequences the phases, `phases.py` and `heal.py` receive it.
+They import this module, and it imports none of them.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import sys
 import tarfile
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -130,3 +131,12 @@ def _atomic_write(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(text)
     tmp.replace(path)
+
+
+def guarded(call: Callable[[], Any]) -> Any:
+    """The call's result, or the exception it raised as ``{"error": ...}``: recorded next to the other
+    variants' and phases' results instead of ending the phase."""
+    try:
+        return call()
+    except Exception as exc:  # noqa: BLE001 - recorded, not raised
+        return {"error": f"{type(exc).__name__}: {exc}"[-3000:]}
