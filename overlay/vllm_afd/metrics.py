@@ -256,12 +256,6 @@ class AFDMetrics:
         """Write what was observed since the last flush and the connector's state (watcher, close)."""
         self._guarded(self._flush)
 
-    def set_peer_state(self, up: bool, lost: bool) -> None:
-        self._guarded(self._set_peer_state, up, lost)
-
-    def set_rendezvous_seconds(self, seconds: float) -> None:
-        self._guarded(self._set_rendezvous_seconds, seconds)
-
     def watch(self, connector: Any, *, thread: bool = True) -> None:
         """Count ``connector``'s steps, follow its peer state and rendezvous; start the watcher thread
         (tests without it call ``flush``)."""
@@ -282,13 +276,13 @@ class AFDMetrics:
             self._files.close()
 
     # ---- internals --------------------------------------------------------------------------------
-    def _guarded(self, fn: Any, *args: Any) -> None:
+    def _guarded(self, fn: Any) -> None:
         if self._broken:
             return
         try:
             with self._lock:
                 if not self._broken:
-                    fn(*args)
+                    fn()
         except Exception:  # noqa: BLE001 - metrics never break serving
             self._fail()
 
