@@ -1,6 +1,6 @@
 """The overlay's log lines reach the server log: `vllm_afd` goes through vLLM's handlers (plugin.py).
 
-Regression: on the H200 (run 10 of docs/gpu-evidence.md) an FFN server's log held no AFD line at
+Regression: on the H200 (run 10 of evidence/gpu-log.md) an FFN server's log held no AFD line at
 all, because vLLM configures only its `vllm` logger namespace.
 """
 

@@ -2,7 +2,7 @@
 
 Used by ``P2pIpcAFDConnector`` (ipc.py), whose ranks share a host. Over a gloo group, a step's control
 payload took 0.5-0.7 ms from the attention's publish to the FFN's adopt on the H200 machine (run 7 of
-docs/gpu-evidence.md): two TCP messages, each waking a thread blocked in the kernel. That latency sits
+evidence/gpu-log.md): two TCP messages, each waking a thread blocked in the kernel. That latency sits
 on every step's critical path (the FFN launches its step only once it knows the step), so here the
 attention writes the payload into a page of ``/dev/shm`` and the FFN's loop thread, which has nothing
 else to do, polls it.
