@@ -14,8 +14,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
-import hashlib
-import json
 import math
 import numbers
 from collections.abc import Callable, Iterator, Mapping
@@ -30,17 +28,14 @@ __all__ = [
     "CONNECTORS",
     "CONNECTOR_HINT",
     "FIELD_NAMES",
-    "GRAPH_FIELDS",
     "DEFAULT_MIN_TOKENS_PER_STAGE",
     "NUM_STAGES",
     "ROLES",
     "RUNTIME_ONLY_FIELDS",
     "check_p2p_extra_config",
     "get_additional_config",
-    "has_afd_config",
     "ParsedAdditionalConfig",
     "afd_config_of",
-    "is_afd_active",
     "parse_afd_config",
     "require_afd_config",
 ]
@@ -78,12 +73,6 @@ RUNTIME_ONLY_FIELDS = {
     "extra_config": "connector options go under 'connector_extra_config'",
 }
 
-# Fields whose values change what the compiled model graph contains
-# (docs/failures.md#3-torchcompile-guard-dropping).
-GRAPH_FIELDS = (
-    "role", "connector", "num_attention_ranks", "num_ffn_ranks", "compute_gate_on_attention", "num_stages",
-)
-
 # Micro-batch stages per step a config may name (docs/pingpong.md).
 NUM_STAGES = (1, 2, 3)
 # The fewest real tokens per stage before a step splits. NOTE: 4 from the CPU stage benchmark
@@ -93,7 +82,6 @@ DEFAULT_MIN_TOKENS_PER_STAGE = 4
 
 _TRUE_WORDS = frozenset({"1", "true", "yes", "on"})
 _FALSE_WORDS = frozenset({"0", "false", "no", "off"})
-_HASH_DOMAIN = "vllm_afd.AFDConfig/1"
 
 
 class _FrozenMapping(Mapping):
@@ -283,17 +271,6 @@ class AFDConfig:
         values["connector_extra_config"] = copy.deepcopy(dict(self.connector_extra_config))
         return values
 
-    def validate(self, expected_role: str | None = None) -> AFDConfig:
-        """Re-check the rules, now knowing the role the calling worker runs; returns ``self``."""
-        _check_values(self.to_mapping(), async_dp=False, expected_role=expected_role)
-        return self
-
-    def compute_hash(self) -> str:
-        """sha256 hex over graph-affecting fields only; host, port and timeouts do not change graphs."""
-        factors = {name: getattr(self, name) for name in GRAPH_FIELDS}
-        text = json.dumps([_HASH_DOMAIN, factors], sort_keys=True, separators=(",", ":"))
-        return hashlib.sha256(text.encode("utf-8")).hexdigest()
-
     @property
     def num_role_ranks(self) -> int:
         """Worker count of this process's role (A or F)."""
@@ -459,23 +436,12 @@ def get_additional_config(src: Any) -> Mapping[Any, Any] | None:
     return additional
 
 
-def has_afd_config(src: Any) -> bool:
-    """True when ``additional_config["afd"]`` is present, valid or not."""
-    additional = get_additional_config(src)
-    return additional is not None and AFD_KEY in additional
-
-
 def parse_afd_config(src: Any, expected_role: str | None = None) -> AFDConfig | None:
     """The validated config, or None when ``afd`` is absent; a present invalid config raises."""
     additional = get_additional_config(src)
     if additional is None or AFD_KEY not in additional:
         return None
     return AFDConfig.from_mapping(additional[AFD_KEY], expected_role=expected_role)
-
-
-def is_afd_active(src: Any) -> bool:
-    """True when ``afd`` is present and valid; raises when present and invalid (never deactivates)."""
-    return parse_afd_config(src) is not None
 
 
 class ParsedAdditionalConfig(dict):

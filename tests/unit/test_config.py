@@ -1,4 +1,4 @@
-"""vllm_afd.config: parsing, coercion, validation order and messages (docs/config.md), hashing."""
+"""vllm_afd.config: parsing, coercion, validation order and messages (docs/config.md)."""
 
 import copy
 import dataclasses
@@ -16,9 +16,8 @@ from hypothesis import strategies as st
 
 import vllm_afd
 from vllm_afd import config as config_module
-from vllm_afd.config import (ALIASES, CONNECTORS, GRAPH_FIELDS, NUM_STAGES, ROLES,
-                             RUNTIME_ONLY_FIELDS, AFDConfig, check_p2p_extra_config, get_additional_config, has_afd_config, is_afd_active,
-                             parse_afd_config, require_afd_config)
+from vllm_afd.config import (ALIASES, CONNECTORS, NUM_STAGES, ROLES, RUNTIME_ONLY_FIELDS, AFDConfig,
+                             check_p2p_extra_config, get_additional_config, parse_afd_config, require_afd_config)
 
 CAM_MESSAGE = ("is an Ascend CAM connector and is not supported; use 'P2pNcclAFDConnector' (CUDA, across hosts), "
                "'P2pIpcAFDConnector' (CUDA, one node) or 'P2pGlooAFDConnector' (CPU, eager)")
@@ -143,14 +142,10 @@ def test_role_mismatch_is_checked_after_the_role_and_before_the_connector():
         AFDConfig.from_mapping({"role": "nope"}, expected_role="attention")
 
 
-def test_validate_checks_the_expected_role_of_a_parsed_config():
-    config = AFDConfig.from_mapping({"role": "ffn"})
-
-    assert config.validate(expected_role="ffn") is config
-    with pytest.raises(ValueError, match="AFD role mismatch: expected 'attention', got 'ffn'"):
-        config.validate(expected_role="attention")
+def test_expected_role_must_be_a_role():
+    assert AFDConfig.from_mapping({"role": "ffn"}, expected_role="ffn").role == "ffn"
     with pytest.raises(ValueError, match="expected_role must be one of"):
-        config.validate(expected_role="moe")
+        AFDConfig.from_mapping({"role": "ffn"}, expected_role="moe")
 
 
 def test_unknown_field_message_lists_the_valid_fields_and_a_close_match():
@@ -282,7 +277,7 @@ def test_p2p_extra_config_rule_for_connectors():
 @pytest.mark.parametrize("src", [None, {}, {"other": 1}, SimpleNamespace(additional_config=None),
                                  SimpleNamespace(additional_config={})])
 def test_absent_afd_is_inactive(src):
-    assert (parse_afd_config(src), has_afd_config(src), is_afd_active(src)) == (None, False, False)
+    assert parse_afd_config(src) is None
 
 
 def test_present_afd_is_active_from_a_mapping_or_an_object():
@@ -290,7 +285,6 @@ def test_present_afd_is_active_from_a_mapping_or_an_object():
 
     for src in (additional, SimpleNamespace(additional_config=additional)):
         assert get_additional_config(src) is additional
-        assert has_afd_config(src) and is_afd_active(src)
         assert parse_afd_config(src, expected_role="ffn").role == "ffn"
 
 
@@ -302,11 +296,8 @@ def test_present_afd_is_active_from_a_mapping_or_an_object():
     ({"afd": [("role", "ffn")]}, TypeError, "AFD config must be a mapping, got list"),
 ])
 def test_steps_one_and_two_reject_the_source_shape(src, error, text):
-    if error is ValueError:
-        assert has_afd_config(src)
-    for parse in (parse_afd_config, is_afd_active):
-        with pytest.raises(error, match=text):
-            parse(src)
+    with pytest.raises(error, match=text):
+        parse_afd_config(src)
 
 
 def test_require_names_the_caller_when_afd_is_absent():
@@ -378,56 +369,17 @@ def test_string_valued_and_reordered_input_parses_to_the_same_config(raw, random
     assert parsed == AFDConfig.from_mapping(raw)
 
 
-@given(afd_mappings(), afd_mappings())
-def test_compute_hash_covers_graph_fields_only(first, second):
-    def digest(raw):
-        return AFDConfig.from_mapping(raw).compute_hash()
-
-    def graph(raw):
-        return {name: raw[name] for name in GRAPH_FIELDS}
-
-    mixed = {**second, **graph(first)}
-
-    assert digest(mixed) == digest(first)
-    assert (digest(first) == digest(second)) == (graph(first) == graph(second))
-    assert len(digest(first)) == 64 and int(digest(first), 16) >= 0
-
-
-@pytest.mark.parametrize(("name", "value", "changes_graph"), [
-    ("role", "ffn", True), ("connector", "P2pGlooAFDConnector", True), ("num_attention_ranks", 3, True),
-    ("num_ffn_ranks", 2, True), ("compute_gate_on_attention", True, True), ("host", "10.1.1.1", False),
-    ("port", 7000, False), ("rendezvous_timeout_s", 9, False), ("step_timeout_s", 9, False),
-    ("peer_timeout_s", 9, False), ("reform_timeout_s", 9, False), ("timeline_dir", "/tmp/t", False),
-])
-def test_each_field_moves_the_hash_iff_it_affects_graphs(name, value, changes_graph):
-    base = {"num_attention_ranks": 4, "num_ffn_ranks": 1}
-
-    changed = AFDConfig.from_mapping({**base, name: value}).compute_hash()
-
-    assert (changed != AFDConfig.from_mapping(base).compute_hash()) is changes_graph
-
-
-def test_num_stages_is_a_graph_field_and_one_stage_is_the_default():
-    assert "num_stages" in GRAPH_FIELDS
+def test_one_stage_is_the_default():
     assert AFDConfig.from_mapping({}).num_stages == 1 == AFDConfig().num_stages
 
 
 @pytest.mark.parametrize("num_stages", [2, 3])
-def test_every_stage_count_parses_and_changes_the_graph_hash(num_stages):
+def test_every_stage_count_parses(num_stages):
     """Issue 13: 2 and 3 parse on every platform and run on both attention runners."""
     config = AFDConfig.from_mapping({"num_stages": str(num_stages)})
 
-    assert config.num_stages == num_stages == AFDConfig(num_stages=num_stages).validate().num_stages
+    assert config.num_stages == num_stages == AFDConfig(num_stages=num_stages).num_stages
     assert AFDConfig.from_mapping(config.to_mapping()) == config
-    assert config.compute_hash() != AFDConfig().compute_hash()
-
-
-def test_min_tokens_per_stage_is_not_a_graph_field():
-    """Only the attention's per-step split reads it; the FFN follows the published counts."""
-    config = AFDConfig.from_mapping({"num_stages": 2, "min_tokens_per_stage": "4"})
-
-    assert config.min_tokens_per_stage == 4 and "min_tokens_per_stage" not in GRAPH_FIELDS
-    assert config.compute_hash() == AFDConfig.from_mapping({"num_stages": 2}).compute_hash()
 
 
 def test_config_module_imports_without_torch_or_vllm():
