@@ -7,7 +7,7 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from vllm_afd.wire.placement import A2F, CONTROL, F2A, Placement
-from vllm_afd.wire.topology import attention_block, compute_role_rank, control_peer, ffn_rank_for_attention
+from vllm_afd.wire.topology import attention_block, compute_role_rank, ffn_rank_for_attention
 
 
 def place(role, role_rank, num_attention, num_ffn, tp_size=1):
@@ -146,7 +146,8 @@ def test_peers_include_every_data_and_control_peer(placement):
         assert ("ffn", ffn_rank_for_attention(placement.role_rank, num_attention, num_ffn)) in peers
     else:
         assert {("attention", j) for j in attention_block(placement.role_rank, num_attention, num_ffn)} <= peers
-    control = control_peer(placement.role, placement.role_rank, num_attention, num_ffn)
+    # docs/topology.md#control-pairing: attention k <-> FFN k for k < F.
+    control = placement.role_rank if placement.role_rank < num_ffn else None
     other_role = "ffn" if placement.role == "attention" else "attention"
     assert (control is None) == (placement.control_rank is None)
     if control is not None:

@@ -5,15 +5,13 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from vllm_afd.wire.errors import AFDLayoutError
+from vllm_afd.wire.placement import Placement
 from vllm_afd.wire.topology import (
     afd_rank,
     attention_block,
     check_layout,
     compute_role_rank,
-    control_group_ranks,
-    control_peer,
     data_subgroup,
-    data_subgroup_index,
     expand_dp_counts,
     ffn_dp_counts,
     ffn_rank_for_attention,
@@ -22,13 +20,21 @@ from vllm_afd.wire.topology import (
 )
 
 
+def _placement(num_attention_ranks, num_ffn_ranks, role, role_rank):
+    role_size = num_attention_ranks if role == "attention" else num_ffn_ranks
+    return Placement(role, role_rank, num_attention_ranks, num_ffn_ranks, role_size, 1)
+
+
+def _control_peer(placement):
+    """Role rank of the other role on the control channel: rank k pairs with rank k; None outside the group."""
+    return None if placement.control_rank is None else placement.role_rank
+
+
 def _pairing(num_attention_ranks, num_ffn_ranks, role, role_rank):
-    """(data subgroup as AFD ranks, control destinations as FFN role ranks) of one rank."""
-    subgroup = data_subgroup(
-        data_subgroup_index(role, role_rank, num_attention_ranks, num_ffn_ranks), num_attention_ranks, num_ffn_ranks
-    )
-    peer = control_peer(role, role_rank, num_attention_ranks, num_ffn_ranks)
-    return subgroup, (() if peer is None else (peer,))
+    """(data subgroup as AFD ranks, control destinations as role ranks) of one rank, from its Placement."""
+    placement = _placement(num_attention_ranks, num_ffn_ranks, role, role_rank)
+    peer = _control_peer(placement)
+    return placement.subgroup_members, (() if peer is None else (peer,))
 
 
 # --- role and AFD ranks (docs/topology.md#role-rank) ---------------------------------------------
@@ -101,8 +107,9 @@ def test_worked_examples_of_the_layout_section(num_attention_ranks, num_ffn_rank
     actual = [tuple(map(name, data_subgroup(k, num_attention_ranks, num_ffn_ranks))) for k in range(num_ffn_ranks)]
 
     assert actual == subgroups
-    assert {j: control_peer("attention", j, num_attention_ranks, num_ffn_ranks) for j in controls} == controls
-    assert control_group_ranks(num_ffn_ranks) == tuple(range(2 * num_ffn_ranks))
+    placements = {j: _placement(num_attention_ranks, num_ffn_ranks, "attention", j) for j in controls}
+    assert {j: _control_peer(placement) for j, placement in placements.items()} == controls
+    assert {placement.control_size for placement in placements.values()} == {2 * num_ffn_ranks}
 
 
 _sizes = st.integers(1, 48).flatmap(lambda a: st.tuples(st.just(a), st.integers(1, a)))

@@ -1,4 +1,4 @@
-"""AFD topology: role ranks, AFD ranks, data and control pairing, row counts, layout rule.
+"""AFD topology: role ranks, AFD ranks, data pairing, row counts, layout rule (control pairing: placement.py).
 
 Pure integer arithmetic on plain values (docs/topology.md), shared by the placement, the step state
 and the handshake so that every rank derives the same pairing from the same numbers.
@@ -17,10 +17,7 @@ __all__ = [
     "attention_block",
     "check_layout",
     "compute_role_rank",
-    "control_group_ranks",
-    "control_peer",
     "data_subgroup",
-    "data_subgroup_index",
     "expand_dp_counts",
     "ffn_dp_counts",
     "ffn_rank_for_attention",
@@ -94,32 +91,6 @@ def data_subgroup(ffn_rank: int, num_attention_ranks: int, num_ffn_ranks: int) -
     return (ffn_rank, *(num_ffn_ranks + j for j in block))
 
 
-def data_subgroup_index(role: str, role_rank: int, num_attention_ranks: int, num_ffn_ranks: int) -> int:
-    """Which data subgroup a rank belongs to (= the FFN rank at its subgroup rank 0)."""
-    _check_role(role)
-    if role == "ffn":
-        _check_sizes(num_attention_ranks, num_ffn_ranks)
-        return role_rank
-    return ffn_rank_for_attention(role_rank, num_attention_ranks, num_ffn_ranks)
-
-
-def control_group_ranks(num_ffn_ranks: int) -> tuple[int, ...]:
-    """AFD ranks of the control group: all F FFN ranks, then attention 0..F-1 (= ``range(2F)``)."""
-    return tuple(range(2 * num_ffn_ranks))
-
-
-def control_peer(role: str, role_rank: int, num_attention_ranks: int, num_ffn_ranks: int) -> int | None:
-    """Role rank of the other role on the control channel (docs/topology.md#control-pairing), None
-    for attention ranks >= F.
-
-    Attention k sends each step's payload to FFN k; FFN k receives from attention k. For A > F the
-    control sender is generally not a data peer, so FFN k reads every peer's rows from the full vector.
-    """
-    _check_role(role)
-    _check_sizes(num_attention_ranks, num_ffn_ranks)
-    return role_rank if role_rank < num_ffn_ranks else None
-
-
 def expand_dp_counts(counts_dp: Sequence[int], tp_attention: int) -> list[int]:
     """DP-level row counts -> one entry per attention rank (rank j gets entry ``j // TP``)."""
     if tp_attention < 1:
@@ -145,6 +116,8 @@ def peer_rows(counts: Sequence[int], ffn_rank: int, num_attention_ranks: int, nu
     return [rows(counts[j]) for j in attention_block(ffn_rank, num_attention_ranks, num_ffn_ranks)]
 
 
+# NOTE: no production caller yet; kept for the planned FFN pool (FFN DP > 1), which needs the FFN-level counts
+# for its forward context (docs/topology.md#row-counts).
 def ffn_dp_counts(counts: Sequence[int], num_attention_ranks: int, num_ffn_ranks: int, tp_ffn: int) -> list[int]:
     """FFN-level DP token counts for the FFN's forward context (docs/topology.md#row-counts).
 
