@@ -15,7 +15,6 @@ from vllm_afd.wire.handshake import (
     PROTOCOL_VERSION,
     Fingerprint,
     compare_fingerprints,
-    layer_kinds_string,
 )
 from vllm_afd.wire.placement import Placement
 
@@ -261,14 +260,6 @@ def test_garbage_fingerprint_is_a_protocol_error(text):
 def test_fingerprint_fields_are_type_checked(changes, error, text):
     with pytest.raises(error, match=text):
         dataclasses.replace(fingerprints()[0], **changes)
-
-
-@given(st.lists(st.booleans(), max_size=64))
-def test_layer_kinds_has_one_char_per_layer(is_moe):
-    kinds = layer_kinds_string(is_moe)
-
-    assert len(kinds) == len(is_moe)
-    assert [kind == "M" for kind in kinds] == is_moe
 
 
 # ---- checkpoint digests (docs/connection.md#checkpoint-digests) ---------------------------------------------

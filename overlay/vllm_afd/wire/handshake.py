@@ -28,7 +28,6 @@ __all__ = [
     "ROLE_FIELDS",
     "Fingerprint",
     "compare_fingerprints",
-    "layer_kinds_string",
 ]
 
 # Bumped on any change of what crosses the wire (payload codec, exchange order, fingerprint fields).
@@ -213,11 +212,6 @@ class Fingerprint:
                 f"AFD fingerprint of {peer} is malformed ({exc!r}); expected Fingerprint.to_json() "
                 "output. Run the same vllm_afd version on every rank"
             ) from exc
-
-
-def layer_kinds_string(is_moe_per_layer: Iterable[bool]) -> str:
-    """``layer_kinds`` from per-layer MoE flags, e.g. [False, True, True] -> "DMM"."""
-    return "".join("M" if is_moe else "D" for is_moe in is_moe_per_layer)
 
 
 def _rank_order(fingerprint: Fingerprint) -> tuple[int, int]:
