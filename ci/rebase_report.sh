@@ -69,7 +69,7 @@ for: ${VERSIONS}, one section per series (VLLM_PIN*) and newer release; the same
 fuzz is never used to build), \`already applied\`, \`already upstream\` (drop the patch),
 \`conflict\`, \`ambiguous\`.  Semantic findings (what each kind catches:
 docs/patch-tooling.md#rebase-report) each come with an action.  Per-section exit: 0 no drift,
-3 drift, 1 conflicts.  How a maintainer acts on it: README, "When vLLM releases".
+3 drift, 1 conflicts.  How a maintainer acts on it: docs/releases.md, "When vLLM releases".
 HEADER
 
 num=0

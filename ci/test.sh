@@ -35,6 +35,7 @@ PY=$(venv_of VLLM_PIN)/bin/python
 
 echo "== tier 1: gates"
 "$PY" ci/check_no_monkeypatch.py overlay scripts tests/harness
+"$PY" ci/check_links.py README.md docs evidence
 for pin in $PINS; do
     short=$(pin_value "$pin" short)
     echo "-- $pin (vLLM $(pin_value "$pin" version), --vllm $short)"

@@ -22,7 +22,7 @@ a role to its core (otherwise only the workers' OpenMP threads are, and the engi
 float).  The model must have per-layer compute >= transport: `--arch qwen3_moe_1k_4l` (dummy weights).
 
     python scripts/bench_afd_cpu.py --arch qwen3_moe_1k_4l --batch-sizes 1,8,16,32 --num-stages 1 2 3 \\
-        [--pin-processes] [--plain-2-cores] [--min-tokens-per-stage N] [--out docs/bench]
+        [--pin-processes] [--plain-2-cores] [--min-tokens-per-stage N] [--out evidence]
 """
 
 from __future__ import annotations

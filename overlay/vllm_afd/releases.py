@@ -1,6 +1,6 @@
 """What differs between the vLLM releases the overlay supports, in one place.
 
-The overlay supports two patched releases at once (README "Supported vLLM releases"): the
+The overlay supports two patched releases at once (docs/releases.md#supported-releases): the
 oldest stays until the newest has run in CI and on the device.  Everything that differs
 between them is a field of `Release` here, read by the module that needs it, so no other
 module compares version strings and dropping a release is deleting one entry.  The pin
@@ -82,7 +82,7 @@ def release_for(version: str) -> Release:
     raise RuntimeError(
         f"vllm_afd: vLLM {version} is not a supported release; expected one of "
         f"{', '.join(SUPPORTED_VERSIONS)}. Install a patched build of one of them "
-        "(README, Supported vLLM releases)."
+        "(docs/releases.md#supported-releases)."
     )
 
 
