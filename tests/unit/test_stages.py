@@ -1,11 +1,13 @@
-"""vllm_afd.attention.stages: the micro-batch stages of one step (docs/pingpong.md, section 3)."""
+"""vllm_afd.attention.stages: the micro-batch stages of one step (docs/pingpong.md, section 3), with the
+request and token ranges of tests/unit/_stage_oracles.py checked against vLLM's split."""
 
 import numpy as np
 import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from vllm_afd.attention.stages import StageRange, plan_stages, split_tokens, stage_counts, stages_for_step
+from _stage_oracles import StageRange, plan_stages, split_tokens
+from vllm_afd.attention.stages import stage_counts, stage_sizes, stages_for_step
 from vllm_afd.config import NUM_STAGES
 
 
@@ -139,10 +141,9 @@ def test_the_split_is_vllms(ubatch_utils, step):
 
 
 @pytest.mark.parametrize(("call", "message"), [
-    (lambda: split_tokens([2, 0], 2, 1), r"num_scheduled_tokens\[1\] must be an integer >= 1, got 0"),
-    (lambda: split_tokens([2, 2], 3, 1), r"num_tokens_padded \(3\) is below the scheduled tokens \(4\)"),
-    (lambda: split_tokens([1], 2, 3), r"2 tokens cannot fill 3 stages; ask stages_for_step first"),
-    (lambda: split_tokens([1], 1, True), r"num_stages must be an integer >= 1, got True"),
+    (lambda: stage_sizes(2, 3), r"2 tokens cannot fill 3 stages; ask stages_for_step first"),
+    (lambda: stage_sizes(1, True), r"num_stages must be an integer >= 1, got True"),
+    (lambda: stage_sizes(0, 1), r"num_tokens_padded must be an integer >= 1, got 0"),
     (lambda: stages_for_step(4, 8), r"num_stages must be one of \(1, 2, 3\), got 4; pass AFDConfig.num_stages"),
     (lambda: stages_for_step(True, 8), r"num_stages must be one of \(1, 2, 3\), got True"),
     (lambda: stages_for_step(2, -1), r"num_tokens must be an integer >= 0, got -1"),
