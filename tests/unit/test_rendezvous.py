@@ -36,6 +36,20 @@ def spec(role, rank, num_attention, num_ffn, port, timeout_s=10.0):
     return RendezvousSpec(place(role, rank, num_attention, num_ffn), "127.0.0.1", port, timeout_s)
 
 
+def pair(rendezvous, fingerprint):
+    """The rendezvous steps in the order of their production caller, `AFDConnector.init` (wire/connector.py):
+    connect(), connect_client() (the watchdog's connection), claim() until held, then exchange_fingerprints()."""
+    while True:
+        rendezvous.connect()
+        watchdog_store = rendezvous.connect_client()
+        if rendezvous.claim():
+            break
+        watchdog_store = None  # our claim's holder died and FFN rank 0 re-hosts the store: connect again
+    fingerprints = rendezvous.exchange_fingerprints(fingerprint)
+    del watchdog_store  # held through the exchange, as the watchdog holds it in init
+    return fingerprints
+
+
 def run_ranks(ranks, port, timeout_s=10.0, delays=None):
     """ranks: [(role, rank, A, F, facts)], facts may hold "tp_size"; returns {index: fingerprints or the exception}."""
     results, threads, keep = {}, [], []
@@ -49,7 +63,7 @@ def run_ranks(ranks, port, timeout_s=10.0, delays=None):
         fingerprint = Fingerprint.for_rank(placement, connector="P2pGlooAFDConnector", compute_gate_on_attention=False,
                                            hostname="localhost", pid=0, **{**MODEL_FACTS, **facts})
         try:
-            results[index] = rendezvous.run(fingerprint)
+            results[index] = pair(rendezvous, fingerprint)
         except Exception as exc:  # noqa: BLE001 - asserted by the tests
             results[index] = exc
 
@@ -282,7 +296,7 @@ def test_a_rank_waiting_for_fingerprints_names_the_missing_ranks(caplog):
     caplog.set_level("INFO", logger="vllm_afd.wire.rendezvous")
 
     with pytest.raises(AFDRendezvousTimeout, match=r"missing: attention \[0 1\]"):
-        rendezvous.run(fingerprint)
+        pair(rendezvous, fingerprint)
 
     assert [record.getMessage() for record in waiting_lines(caplog)] == [
         f"AFD ffn rank 0: waiting for attention [0 1] at 127.0.0.1:{port} (handshake, 10 s of 15 s)"

@@ -2,7 +2,8 @@
 
 Steps, all bounded by one deadline (``rendezvous_timeout_s``): FFN rank 0 listens, the others connect
 with retry; every rank claims its ``(role, role_rank)`` atomically; every rank publishes its
-fingerprint, waits for all others and compares. Groups built later are key prefixes of this store
+fingerprint, waits for all others and compares (``AFDConnector.init`` in wire/connector.py runs the steps,
+between them opening the watchdog's own connection). Groups built later are key prefixes of this store
 (no derived ports), so FFN ranks may span hosts. torch.distributed is imported lazily, at the first
 store operation.
 """
@@ -143,13 +144,6 @@ class Rendezvous:
                     stage, elapsed, spec.timeout_s)
 
     # ---- steps ----------------------------------------------------------------------------------
-
-    def run(self, fingerprint: Fingerprint) -> dict[tuple[str, int], Fingerprint]:
-        """Connect, claim, exchange and compare fingerprints; returns every rank's fingerprint."""
-        self.connect()
-        while not self.claim():
-            self.connect()
-        return self.exchange_fingerprints(fingerprint)
 
     def connect(self) -> Any:
         """FFN rank 0 listens and hosts the store; every other rank connects, retrying until the deadline."""
