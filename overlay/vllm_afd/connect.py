@@ -50,11 +50,7 @@ def _nccl(device: torch.device, spec: ConnectorSpec | None = None) -> Transport:
 def _ipc(device: torch.device, spec: ConnectorSpec | None = None) -> Transport:
     from vllm_afd.wire.transports.ipc import IpcTransport, message_row_bytes
 
-    if spec is None or spec.max_rows is None:
-        raise ValueError(
-            "P2pIpcAFDConnector: its transport preallocates one slot per message and needs the connector spec "
-            f"with max_rows to size them (got {spec!r}); build it through vllm_afd.connect.build_connector"
-        )
+    assert spec is not None and spec.max_rows is not None, "build_connector passes max_rows (sizes the IPC slots)"
     row_bytes = message_row_bytes(spec.hidden_size, spec.dtype, spec.router_logits_width)
     return IpcTransport(device, row_bytes=row_bytes, max_rows=spec.max_rows, num_stages=spec.num_stages)
 

@@ -1,5 +1,5 @@
 """P2pIpcAFDConnector in the vLLM-facing wiring: the registry entry, the slot size from vLLM's config, the
-CUDA-only refusals (docs/config.md#choosing-a-connector, docs/decisions.md items 23 and 24)."""
+CUDA-only refusals (docs/config.md#choosing-a-connector, docs/decisions.md#23-transport-factories-take-the-connectorspec and #24-the-ipc-transport-keeps-the-control-channel-on-gloo)."""
 
 from __future__ import annotations
 
@@ -10,15 +10,14 @@ import pytest
 import torch
 
 pytest.importorskip("vllm")
-sys.path.insert(0, str(Path(__file__).parents[1] / "connectors"))
-from _harness import make_spec  # noqa: E402
-from _vllm_configs import make_vllm_config  # noqa: E402
+from tests.connectors._harness import make_spec
+from tests.connectors._vllm_configs import make_vllm_config
 
-from vllm_afd.config import parse_afd_config  # noqa: E402
-from vllm_afd.connect import TRANSPORTS, build_connector, max_exchange_rows  # noqa: E402
-from vllm_afd.wire.placement import A2F, F2A, Placement  # noqa: E402
-from vllm_afd.wire.transports.mailbox import MailboxTransport  # noqa: E402
-from vllm_afd.wire.transports.ipc import IpcTransport  # noqa: E402
+from vllm_afd.config import parse_afd_config
+from vllm_afd.connect import TRANSPORTS, build_connector, max_exchange_rows
+from vllm_afd.wire.placement import A2F, F2A, Placement
+from vllm_afd.wire.transports.mailbox import MailboxTransport
+from vllm_afd.wire.transports.ipc import IpcTransport
 
 IPC = {"connector": "P2pIpcAFDConnector"}
 
@@ -34,9 +33,7 @@ def test_the_registry_sizes_the_ipc_slots_from_the_spec_and_puts_control_in_a_ma
     assert isinstance(transport._control, MailboxTransport)
 
 
-def test_the_ipc_factory_refuses_what_it_cannot_size_or_drive():
-    with pytest.raises(ValueError, match="needs the connector spec with max_rows to size them"):
-        TRANSPORTS["P2pIpcAFDConnector"](torch.device("cuda", 0))
+def test_the_ipc_factory_refuses_what_it_cannot_drive():
     with pytest.raises(ValueError, match="device cpu is not an indexed CUDA device"):
         TRANSPORTS["P2pIpcAFDConnector"](torch.device("cpu"), make_spec(1, max_rows=4))
 
