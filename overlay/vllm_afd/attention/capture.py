@@ -74,7 +74,7 @@ class AFDModelCudaGraphManager(ModelCudaGraphManager):
 
         Only uniform decodes split on the CUDA attention: a decode reads no KV another request of the
         step writes, so vLLM's prefix-cache veto (`_allow_microbatching`, V1 only) is never needed
-        (docs/decisions.md item 39).  At DP > 1 vLLM's DP vote decides (seam `mrv2-add-ubatch-vote`,
+        (docs/decisions.md#39-the-cuda-stages).  At DP > 1 vLLM's DP vote decides (seam `mrv2-add-ubatch-vote`,
         `AFDUBatchRunner.num_ubatches_for`) and passes its count here; deciding again on one rank's
         dispatch would split a step the vote kept whole (an idle rank's dummy run has no attention to split).
         """

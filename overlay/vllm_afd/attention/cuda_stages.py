@@ -61,7 +61,7 @@ class AFDUBatchRunner(UBatchRunner):
 
     def num_ubatches_for(self, num_tokens: int, uniform_decode: bool) -> int:
         """Patch `mrv2-add-ubatch-vote`: a uniform decode step of `num_tokens` (at DP > 1: the fewest on any
-        rank) runs the planner's stage count; any other step runs whole (docs/decisions.md item 39)."""
+        rank) runs the planner's stage count; any other step runs whole (docs/decisions.md#39-the-cuda-stages)."""
         if not uniform_decode:
             return 1
         return stages_for_step(self.num_ubatches, num_tokens, min_tokens_per_stage=self.afd_min_tokens_per_stage)

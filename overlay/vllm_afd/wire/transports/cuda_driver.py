@@ -34,7 +34,8 @@ CU_DEVICE_ATTRIBUTE_HOST_REGISTER_SUPPORTED = 99
 IPC_HANDLE_BYTES = 64
 # NOTE: the V2 stream memory operations (CUDA 11.7+ drivers) need no kernel module parameter, unlike
 # the V1 ones, whose attribute CU_DEVICE_ATTRIBUTE_CAN_USE_STREAM_MEM_OPS_V1 can read 0 where V2
-# works; so support is "the driver exports the V2 entry points" (docs/decisions.md, item 21).
+# works; so support is "the driver exports the V2 entry points"
+# (docs/decisions.md#21-stream-memory-operations-detected-by-their-v2-entry-points).
 STREAM_MEM_OPS = ("cuStreamWaitValue32_v2", "cuStreamWriteValue32_v2")
 
 

@@ -13,7 +13,7 @@ step (``max_rows``: vLLM's max_num_batched_tokens, published at ``open``). Alloc
 with CUDA IPC at ``open`` and mapped by their senders. Each slot's *ready flag* is a 32-bit word in
 one page of host shared memory (``/dev/shm``, ``shm.py``) that the data subgroup maps and registers
 for the device: a flag in host memory can be released by a plain CPU store, which no GPU queue blocked on a
-wait can hold up (docs/decisions.md, item 20).
+wait can hold up (docs/decisions.md#20-a-capturable-one-node-transport-p2pipcafdconnector).
 
 Protocol, enqueued on the caller's current stream (no host wait, no kernel; capturable):
 
