@@ -1,4 +1,4 @@
-"""AFD micro-batch stages on CPU end to end (docs/pingpong.md, issue 13): greedy tokens equal plain vLLM.
+"""AFD micro-batch stages on CPU end to end (docs/pingpong.md): greedy tokens equal plain vLLM.
 
 One deployment per (model, stage count): the tiny Qwen3-MoE with 2 and 3 stages, the tiny DeepSeek-V2
 with 2; each answers every request shape of `stage_outputs` (two server starts each); the plain tokens

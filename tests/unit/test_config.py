@@ -375,7 +375,7 @@ def test_one_stage_is_the_default():
 
 @pytest.mark.parametrize("num_stages", [2, 3])
 def test_every_stage_count_parses(num_stages):
-    """Issue 13: 2 and 3 parse on every platform and run on both attention runners."""
+    """Micro-batch stages (docs/pingpong.md): 2 and 3 parse on every platform and run on both attention runners."""
     config = AFDConfig.from_mapping({"num_stages": str(num_stages)})
 
     assert config.num_stages == num_stages == AFDConfig(num_stages=num_stages).num_stages

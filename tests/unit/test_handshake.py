@@ -215,7 +215,7 @@ _LAYOUTS = [((1, 1), (1, 1)), ((2, 1), (1, 1)), ((1, 2), (1, 2)), ((2, 1), (2, 1
 
 @given(st.sampled_from(_LAYOUTS), st.integers(1, 3), st.integers(1, 3), st.data())
 def test_num_stages_must_be_equal_on_every_rank(layout, attention_stages, ffn_stages, data):
-    """Issue 13: a deployment whose roles split steps into different stage counts fails on every rank,
+    """Micro-batch stages: a deployment whose roles split steps into different stage counts fails on every rank,
     naming both values, before any data channel exists."""
     prints = [dataclasses.replace(fp, num_stages=attention_stages if fp.role == "attention" else ffn_stages)
               for fp in fingerprints(*layout)]
@@ -266,7 +266,7 @@ def test_fingerprint_fields_are_type_checked(changes, error, text):
 
 
 def test_other_weights_of_the_same_shapes_fail_on_both_sides_naming_both_checkpoints():
-    """Issue 15: an FFN restarted on other weights of the same architecture and shapes served wrong tokens."""
+    """Regression: an FFN restarted on other weights of the same architecture and shapes served wrong tokens."""
     prints = by_label(fingerprints(overrides={("ffn", 0): {"weights_digest": "sha256:9999999999999999",
                                                            "checkpoint": "/other/qwen3_moe-seed1"}}))
 

@@ -110,7 +110,7 @@ def test_setup_brings_lo_up_in_each_namespace_and_teardown_deletes_everything_it
         assert ["ip", "netns", "add", host.namespace] in setup
         assert ["ip", "-n", host.namespace, "link", "set", "lo", "up"] in setup
         assert ["ip", "-n", host.namespace, "link", "set", PEER_IFNAME, "up"] in setup
-    # Namespaces first, then links into them; the brief's example addresses for block 0.
+    # Namespaces first, then links into them; the example addresses for block 0.
     assert setup.index(["ip", "netns", "add", plan.ffn.namespace]) < 2
     assert (plan.ffn.peer_address, plan.attention.peer_address) == ("10.231.0.1", "10.231.0.2")
     teardown = teardown_commands(plan)

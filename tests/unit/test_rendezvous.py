@@ -227,7 +227,7 @@ def test_invalid_layout_fails_every_rank():
         assert "TP peers of FFN DP rank 0 would receive different tokens" in str(result)
 
 
-# ---- what a waiting rank logs (issue 15: ~700 lines a minute of TCPStore retry traces, no AFD line) ---------
+# ---- what a waiting rank logs (docs/decisions.md#28-a-waiting-rank-knocks-with-a-plain-socket-first) ------------
 
 
 class FakeTime:

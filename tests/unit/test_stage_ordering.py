@@ -15,7 +15,7 @@ program of posts (never block) and waits (block until their transfer matched), e
 A hypothesis state machine advances the two roles in any interleaving, over several steps of
 random stage counts, layer counts and messages per exchange (1, or 2 with router logits), and
 checks the claim: whenever neither role can move, both have finished. The blocking-send variant
-(each send waited where it is issued, as before issue 13) is the counter-example: with 2 or 3
+(each send waited where it is issued, as before the stages) is the counter-example: with 2 or 3
 stages every interleaving reaches a state where both roles wait forever.
 """
 

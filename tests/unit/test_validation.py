@@ -90,7 +90,7 @@ def test_unsupported_setups_are_refused_before_any_resource(model_dir, afd, engi
         check_features(config, AFDConfig.from_mapping(afd), "cpu")
 
 
-# ---- every documented worker-start refusal, one test each (issue 15) ----------------------------------------
+# ---- every documented worker-start refusal, one test each (docs/config.md) -------------------------------------
 # Each pins what is refused, where it is named (the flag or field) and how to fix it.  The configs are real
 # VllmConfigs built by vLLM for the CPU; a field that the CPU cannot build (a graph mode, DBO, PP) is set on
 # the config object this test built, which is the object the check reads.
