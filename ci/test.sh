@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The project's test command (README): set up one venv per supported vLLM release, run the
 # gates, then every test tier on each release, then the advisory rebase report.
-#   tier 1  gates: monkeypatch AST check; per series: patch lint, zero-fuzz check on both wheels
+#   tier 1  gates: monkeypatch AST check, ruff; per series: patch lint, zero-fuzz check on both wheels
 #           of its pin, patches up to date; the committed rebase report names the current series
 #   tier 2  fast tests (unit, patch engine, contracts, models in-process) on every release
 #           (the tool and wire tests, tests/patches, tests/ci, tests/connectors, are release-free
@@ -35,6 +35,7 @@ PY=$(venv_of VLLM_PIN)/bin/python
 
 echo "== tier 1: gates"
 "$PY" ci/check_no_monkeypatch.py overlay scripts tests/harness
+"$PY" -m ruff check .
 "$PY" ci/check_links.py README.md docs evidence
 for pin in $PINS; do
     short=$(pin_value "$pin" short)

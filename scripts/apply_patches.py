@@ -22,11 +22,10 @@ import os
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _series  # noqa: E402
-import _wheel as wh  # noqa: E402
-from _modes import run_apply_to, run_build, run_check, run_list, run_make_patch, run_verify  # noqa: E402
-from _report import Out  # noqa: E402
+from afd_patchtool import _series
+from afd_patchtool import _wheel as wh
+from afd_patchtool._modes import run_apply_to, run_build, run_check, run_list, run_make_patch, run_verify
+from afd_patchtool._report import Out
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -134,7 +133,7 @@ def resolve_pin_and_series(args) -> None:
     if args.pin is None:
         ref = args.vllm
         if ref is None and (args.apply_to or args.installed):
-            import _tree
+            from afd_patchtool import _tree
             tree = _tree.Tree(Path(args.apply_to)) if args.apply_to else _tree.Tree.installed()
             ref = tree.version()
         elif ref is None and args.verify_wheel:
@@ -149,21 +148,21 @@ def _dispatch(args, out: Out) -> int:
     if args.make_patch:
         return run_make_patch(args, out)
     if args.lint:
-        import _lint
+        from afd_patchtool import _lint
         return _lint.run_lint(Path(args.patches), _series.read_pin(Path(args.pin)), out)
     pin = _series.read_pin(Path(args.pin))
     if args.verify_wheel:
         return run_verify(args, pin, out)
     patches = _series.load_series(Path(args.patches))
     if args.rebase_report:
-        import _rebase
+        from afd_patchtool import _rebase
         return _rebase.run_rebase(args, pin, patches, out)
     if args.list:
         return run_list(patches, out)
     if args.check:
         return run_check(args, pin, patches, out)
     if args.refresh is not None:
-        import _refresh
+        from afd_patchtool import _refresh
         return _refresh.run_refresh(args, pin, patches, out)
     if args.apply_to or args.installed:
         return run_apply_to(args, pin, patches, out)

@@ -39,14 +39,12 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "overlay"))
-import stage_model  # noqa: E402
-from vllm_afd.config import DEFAULT_MIN_TOKENS_PER_STAGE  # noqa: E402
+import stage_model
+from vllm_afd.config import DEFAULT_MIN_TOKENS_PER_STAGE
 
-from afd_harness.afd import AFDDeployment  # noqa: E402
-from afd_harness.server import VllmServer, complete_batch, cpu_server_env  # noqa: E402
-from afd_harness.tiny_models import build_tiny_model, read_recipe, serve_env  # noqa: E402
+from afd_harness.afd import AFDDeployment
+from afd_harness.server import VllmServer, complete_batch, cpu_server_env
+from afd_harness.tiny_models import build_tiny_model, read_recipe, serve_env
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPT = "The experts of a mixture route each token to"
@@ -81,7 +79,8 @@ def cpu_seconds(groups: dict[str, int]) -> dict[str, float]:
         fields = stat[stat.rindex(")") + 2:].split()
         group = names.get(int(fields[2]))  # field 5 of stat: pgrp
         if group is not None:
-            totals[f"{group}/{stat[stat.index('(') + 1:stat.rindex(')')]}"] += (int(fields[11]) + int(fields[12])) / CLK_TCK
+            process = stat[stat.index('(') + 1:stat.rindex(')')]
+            totals[f"{group}/{process}"] += (int(fields[11]) + int(fields[12])) / CLK_TCK
     return totals
 
 
@@ -269,7 +268,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-stages", type=int, nargs="+", default=[1], choices=(1, 2, 3),
                         help="one AFD deployment per micro-batch stage count (docs/pingpong.md)")
     parser.add_argument("--min-tokens-per-stage", type=int, default=None,
-                        help="AFD min_tokens_per_stage for the staged deployments (docs/config.md; default: the config's)")
+                        help="AFD min_tokens_per_stage for the staged deployments "
+                             "(docs/config.md; default: the config's)")
     parser.add_argument("--pin-processes", action="store_true",
                         help="pin every process of a role (API server, engine core) to its core, not only the worker")
     parser.add_argument("--plain-2-cores", action="store_true", help="also plain vLLM with OpenMP on both cores")

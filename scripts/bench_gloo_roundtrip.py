@@ -25,10 +25,7 @@ import socket
 import statistics
 import sys
 import time
-from pathlib import Path
 from typing import Any
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "overlay"))
 
 
 def _free_port() -> int:
@@ -96,7 +93,7 @@ def _rank(role: str, args: argparse.Namespace, ports: tuple[int, int], results: 
         hidden = host_hidden.to(device)
         raw_s: list[float] = []
         conn_s: list[float] = []
-        for block in range(args.blocks):
+        for _block in range(args.blocks):
             for i in range(args.warmup + args.iters):  # raw ping-pong
                 started = time.perf_counter()
                 if role == "attention":
@@ -136,7 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=16, help="exchanges per step (one payload each step)")
     parser.add_argument("--iters", type=int, default=64, help="measured round trips per block and path")
     parser.add_argument("--warmup", type=int, default=16)
-    parser.add_argument("--blocks", type=int, default=8, help="alternating raw/connector blocks (more blocks: less drift)")
+    parser.add_argument("--blocks", type=int, default=8,
+                        help="alternating raw/connector blocks (more blocks: less drift)")
     parser.add_argument("--pin", action="store_true", help="pin attention to CPU 0 and FFN to CPU 1")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the connector's tensors live")
     args = parser.parse_args(argv)

@@ -17,9 +17,8 @@ import time
 import zipfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _series  # noqa: E402
-import apply_patches  # noqa: E402
+import apply_patches
+from afd_patchtool import _series
 
 ROOT = Path(__file__).resolve().parent.parent
 

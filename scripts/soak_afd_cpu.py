@@ -76,7 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.duration_s <= 0 or args.clients <= 0:
         parser.error("--duration-s and --clients must be positive")
 
-    model = Path(args.model) if Path(args.model).is_dir() else build_tiny_model(args.model, REPO / "models" / args.model)
+    model = (Path(args.model) if Path(args.model).is_dir()
+             else build_tiny_model(args.model, REPO / "models" / args.model))
     env = serve_env(model)
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="afd-soak-"))
     print(f"soak: logs in {log_dir}", flush=True)

@@ -73,7 +73,7 @@ def exchange_costs(attention: object, ffn: object) -> ExchangeCosts:
                          f"{attention.step_seq}; join records by step_seq and pass complete ones")
     num_layers = 1 + max(layer for layer, _ in keys)
     num_stages = 1 + max(stage for _, stage in keys)
-    a = [sent[(l, j)] - back[(l - 1, j)] for l, j in keys if l > 0]
+    a = [sent[(layer, j)] - back[(layer - 1, j)] for layer, j in keys if layer > 0]
     f = [ffn_start[key] - got[key] for key in keys]
     t = [back[key] - sent[key] - (ffn_start[key] - got[key]) for key in keys]
     a_busy = sum(a) + sum(sent_end[key] - sent[key] for key in keys)

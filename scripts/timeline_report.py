@@ -29,8 +29,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "overlay"))
-from vllm_afd.wire.timeline import StepRecord, read_records  # noqa: E402
+from vllm_afd.wire.timeline import StepRecord, read_records
 
 COLUMNS = ("attention compute", "round trip", "FFN compute", "transport", "FFN idle", "step", "other")
 
@@ -132,7 +131,7 @@ def draw(ranks: dict[str, list[StepRecord]], path: Path, *, replay: bool | None 
               origin if shared else ffn.marks[0].t_ns)]
     fig, ax = plt.subplots(figsize=(12, 2.8))
     labelled: set[str] = set()
-    for y, (name, rec, spans, zero) in enumerate(lanes):
+    for y, (_name, rec, spans, zero) in enumerate(lanes):
         for start, end, color, label in spans:
             starts = {(m.exchange, m.stage): m.t_ns for m in rec.marks if m.kind == start}
             for m in rec.marks:

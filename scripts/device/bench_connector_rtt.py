@@ -34,11 +34,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parents[1] / "overlay"))
-
-from e2e_report import percentiles_ms  # noqa: E402
+from e2e_report import percentiles_ms
 
 DEFAULT_SHAPES = "1x128,32x128,1x2048,64x2048,256x2048"
 NUM_EXPERTS = 8

@@ -12,7 +12,7 @@ side the round trip per crossing layer:
   row checks, watchdog): what P2pIpcAFDConnector adds in eager serving;
 * ``device_flags_graph``: the measured probe's mechanism (flags in device memory, buffers shared by
   torch.multiprocessing), captured like ``raw_graph``: what the transport's host-memory flags cost
-  (docs/decisions.md, item 20).
+  (docs/decisions.md#20-a-capturable-one-node-transport-p2pipcafdconnector).
 
 Both processes time-slice the one GPU, so a round trip costs about two context switches (a probe of
 the device-flag mechanism measured 0.29 ms on the H200, flat from 1 to 256 rows of 4 KiB).
@@ -32,12 +32,8 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parents[1] / "overlay"))
-
-from bench_connector_rtt import free_port, parse_shapes  # noqa: E402
-from e2e_report import percentiles_ms  # noqa: E402
+from bench_connector_rtt import free_port, parse_shapes
+from e2e_report import percentiles_ms
 
 DEFAULT_SHAPES = "1x128,32x128,1x2048,256x2048"
 CONNECTOR = "P2pIpcAFDConnector"
@@ -218,7 +214,8 @@ def run_bench(shapes: list[tuple[int, int]], *, layers: int = 8, steps: int = 10
     failed = {role: value for role, (status, value) in outcome.items() if status != "ok"}
     missing = [role for role in procs if role not in outcome]
     if failed or missing:
-        raise RuntimeError(f"bench_ipc_floor: ranks failed ({failed}) or timed out ({missing}) after {timeout_s:.0f} s; "
+        raise RuntimeError(f"bench_ipc_floor: ranks failed ({failed}) or timed out ({missing}) after "
+                           f"{timeout_s:.0f} s; "
                            "expected both to finish. Raise --timeout-s or read the traceback above.")
     rows = outcome["attention"][1]
     for row in rows:

@@ -21,9 +21,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "harness"))
-
-from afd_harness import tiny_models  # noqa: E402
+from afd_harness import tiny_models
 
 
 def prebuilt_is_intact(model_dir: Path, arch: str) -> bool:
@@ -45,7 +43,8 @@ def build_one(arch: str, out_dir: Path, prebuilt: Path | None, seed: int) -> dic
     assert recipe is not None, f"build_models: {model_dir} has no recipe after the build"
     return {"path": str(model_dir), "source": source, "recipe_hash": recipe["recipe_hash"],
             "architecture": recipe["architecture"], "config": recipe["config"],
-            "serve_env": recipe.get("serve_env", {}), "serve_args": recipe.get("serve_args", []), "versions": recipe.get("versions", {})}
+            "serve_env": recipe.get("serve_env", {}), "serve_args": recipe.get("serve_args", []),
+            "versions": recipe.get("versions", {})}
 
 
 def main(argv: list[str] | None = None) -> int:

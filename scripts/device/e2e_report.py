@@ -256,7 +256,7 @@ def _rates_by_batch(bench: Mapping[str, Any]):
     for model, result in bench.get("models", {}).items():
         variants = result.get("variants", {})
         for batch in result.get("batches", []):
-            def tok_s(name: str, batch: int = batch) -> float | None:
+            def tok_s(name: str, batch: int = batch, variants: dict = variants) -> float | None:
                 entry = variants.get(name, {}).get(str(batch))
                 return entry["tok_s"] if entry else None
             yield model, batch, tok_s, variants
@@ -288,7 +288,7 @@ def _stage_lines(bench: Mapping[str, Any]) -> list[str]:
                 failures.append(f"{model}, {prompt_len} prompt tokens: {predictions['error']}")
                 predictions = {}
             for batch in part.get("batches", []):
-                def tok_s(name: str, batch: int = batch) -> float | None:
+                def tok_s(name: str, batch: int = batch, variants: dict = variants) -> float | None:
                     entry = variants.get(name, {}).get(str(batch))
                     return entry["tok_s"] if entry else None
                 for variant in STAGE_VARIANTS:
@@ -326,7 +326,7 @@ def _prompt_len_lines(bench: Mapping[str, Any]) -> list[str]:
             variants = by_len.get("variants", {})
             per_layer = by_len.get("serving_per_layer_ms_by_variant", {})
             for batch in by_len.get("batches", []):
-                def tok_s(name: str) -> float | None:
+                def tok_s(name: str, batch: int = batch, variants: dict = variants) -> float | None:
                     entry = variants.get(name, {}).get(str(batch))
                     return entry["tok_s"] if entry else None
                 rows.append([model, prompt_len, batch, tok_s("plain_eager"), tok_s("plain_graphs"),
@@ -435,7 +435,8 @@ def render_markdown(summary: Mapping[str, Any], extra: Sequence[str] = ()) -> st
     verdict = verdict_lines(summary)
     if verdict:
         lines += ["", "### Verdict", ""] + verdict
-    for block in (_gputest_lines(phases.get("gputests", {})), _token_lines(phases.get("tokens", {})), _bench_lines(phases.get("bench", {})),
+    for block in (_gputest_lines(phases.get("gputests", {})), _token_lines(phases.get("tokens", {})),
+                  _bench_lines(phases.get("bench", {})),
                   _rtt_lines(phases.get("rtt", {}), phases.get("bench", {})), list(extra),
                   _server_lines(summary.get("servers", {}))):
         if block:

@@ -37,18 +37,13 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-
-import e2e_report as report  # noqa: E402
-import heal  # noqa: E402
-import phases  # noqa: E402
-from run_state import HARNESS, REPO, Run  # noqa: E402
-
-sys.path.insert(0, str(HARNESS))  # serving.py starts the servers through afd_harness.server
+import e2e_report as report
+import heal
+import phases
+import repo_paths  # noqa: F401 - serving.py starts the servers through afd_harness.server
+from run_state import REPO, Run
 
 
 # The gputests phase: the repo's tests that need a GPU, plus the CUDA path's pure tests.
@@ -91,7 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
     add = parser.add_argument
     add("--out", required=True, help="output directory ($OUT on the device)")
     add("--phases", type=_arg(report.parse_phases), default=report.parse_phases(",".join(report.DEFAULT_PHASES)),
-        help=f"comma-separated subset of {','.join(report.PHASES)} or 'all' (default: {','.join(report.DEFAULT_PHASES)})")
+        help=f"comma-separated subset of {','.join(report.PHASES)} or 'all' "
+             f"(default: {','.join(report.DEFAULT_PHASES)})")
     add("--models", type=_names,
         default=["qwen3_moe", "deepseek_v2_mla"], help="tiny_models archs to serve, in order")
     add("--variants", type=_names, default=list(VARIANTS),

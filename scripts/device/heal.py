@@ -39,7 +39,8 @@ def phase_heal(run: Run) -> dict[str, Any]:
     specs = serving.server_specs(variants, settings, afd_port=ports)
     servers, infos = serving.start_servers(specs, Path(model["path"]), base_env=run.env(), logs_dir=run.logs_dir,
                                            prefix="heal", launcher=args.launcher,
-                                           startup_timeout_s=max(30.0, min(args.startup_timeout_s, run.time_left() - 60)),
+                                           startup_timeout_s=max(30.0, min(args.startup_timeout_s,
+                                                                           run.time_left() - 60)),
                                            on_spawn=run.register_server)
     run.summary["servers"]["heal"] = infos
     prompts = list(report.TEXT_PROMPTS)
@@ -89,7 +90,8 @@ def _heal_once(attention: Any, ffn: Any, plain: list[list[int]], tokens: Callabl
     reader.join(60)
     record["in_flight_stream_ended"] = streams[0] if streams else "still open after 60 s"
     status, message = _wait_status(url, {503}, 60.0)
-    record.update(outage_status=status, outage_message=message[:400], outage_after_s=round(time.monotonic() - killed, 1))
+    record.update(outage_status=status, outage_message=message[:400],
+                  outage_after_s=round(time.monotonic() - killed, 1))
     ffn.start()
     ffn_up = time.monotonic()
     status, message = _wait_status(url, {200}, min(180.0, run.time_left() - 40))

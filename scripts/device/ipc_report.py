@@ -70,7 +70,8 @@ def floor_lines(floor: Mapping[str, Any], bench: Mapping[str, Any]) -> list[str]
              row.get("device_flags_graph_ms", {}).get("p50"), row.get("connector_eager_over_floor_p50")]
             for row in floor.get("rows", [])]
     if rows:
-        lines += [f"### IPC round trip per layer (ms, p50; {floor.get('layers')} layers per step, both roles on one GPU)",
+        lines += [f"### IPC round trip per layer (ms, p50; {floor.get('layers')} layers per step, "
+                  "both roles on one GPU)",
                   "", report.markdown_table(["rows x hidden", "raw graph (floor)", "raw eager", "connector eager",
                                              "probe: device flags, graph", "connector eager / floor"], rows)]
     floors = {(row["rows"], row["hidden"]): row for row in floor.get("rows", [])}
@@ -84,9 +85,11 @@ def floor_lines(floor: Mapping[str, Any], bench: Mapping[str, Any]) -> list[str]
                 base = row.get(FLOOR_MODES[variant], {}).get("p50")
                 derived.append([model, variant, batch, value, base, report.ratio(value, base)])
     if derived:
-        lines += ["", "Serving-derived AFD cost per crossing layer = (TPOT AFD − TPOT plain, same graph mode) / layers, "
+        lines += ["", "Serving-derived AFD cost per crossing layer = (TPOT AFD − TPOT plain, same graph mode) "
+                  "/ layers, "
                   "against the IPC round trip of the same rows x hidden (graphs: raw graph; eager: raw eager):", "",
-                  report.markdown_table(["model", "variant", "batch", "ms per layer", "floor p50 ms", "serving / floor"],
+                  report.markdown_table(["model", "variant", "batch", "ms per layer", "floor p50 ms",
+                                         "serving / floor"],
                                         derived)]
     return lines
 

@@ -138,7 +138,8 @@ def apply_patches(run: Run, *, reverse: bool) -> dict[str, Any]:
     done = run.run_cmd(argv + (["--reverse"] if reverse else []), env=env, timeout_s=180,
                        log_name="apply-patches-reverse" if reverse else "apply-patches")
     if done["rc"] != 0:
-        raise RuntimeError(f"apply_patches.py {'--reverse ' if reverse else ''}failed (rc {done['rc']}): {done['tail']}")
+        raise RuntimeError(f"apply_patches.py {'--reverse ' if reverse else ''}failed (rc {done['rc']}): "
+                           f"{done['tail']}")
     return {"rc": done["rc"], "output": done["stdout"].strip()[-1500:]}
 
 
@@ -287,10 +288,13 @@ def serve_round(run: Run, arch: str, variants: list[str], *, do_tokens: bool, do
 def timeline_reports(root: Path) -> dict[str, str]:
     """scripts/timeline_report.py on each AFD variant's timeline files: markdown per variant (+ md and png)."""
     tables = {}
+    # vllm_afd.wire reads the records (it imports no vLLM); the device has the overlay on no path of its own.
+    overlay_env = dict(os.environ, PYTHONPATH=install_overlay.join_pythonpath([str(REPO / "overlay")],
+                                                                              os.environ.get("PYTHONPATH")))
     for directory in sorted(p for p in root.iterdir() if p.is_dir()):
         done = subprocess.run([sys.executable, str(REPO / "scripts" / "timeline_report.py"), str(directory),
                                "--png", str(directory / "timeline.png"), "--markdown", str(directory / "timeline.md")],
-                              capture_output=True, text=True, timeout=120)
+                              capture_output=True, text=True, timeout=120, env=overlay_env)
         tables[directory.name] = done.stdout if done.returncode == 0 else f"failed: {done.stderr[-2000:]}"
     return tables
 
@@ -343,7 +347,7 @@ def phase_serve(run: Run, do_tokens: bool, do_bench: bool) -> None:
         if do_bench:
             records["bench"]["models"][arch] = round_records.bench_record(result, run.models[arch])
         run.save()
-    for name, record in records.items():
+    for record in records.values():
         record["seconds"] = round(time.monotonic() - started, 1)
         done = [m for m in record["models"] if "error" not in record["models"][m]]
         record["status"] = "ok" if not failures and done else ("partial" if done else "failed")

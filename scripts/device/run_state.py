@@ -27,8 +27,8 @@ import ipc_report
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
-# The test harness distribution (afd_harness: vLLM servers, tiny checkpoints), put on sys.path
-# or PYTHONPATH where needed: the device has no pip.
+# The test harness distribution (afd_harness: vLLM servers, tiny checkpoints), put on a subprocess's
+# PYTHONPATH where needed (repo_paths.py puts it on this process's sys.path): the device has no pip.
 HARNESS = REPO / "tests" / "harness"
 
 # Seconds kept free at the end of a device command: stopping servers and packing the logs.

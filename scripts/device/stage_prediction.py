@@ -15,19 +15,14 @@ tests/unit/test_stage_prediction.py.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-SCRIPTS = Path(__file__).resolve().parents[1]
 # stage_model.py sits in scripts/; the timeline records' parser in overlay/ (vllm_afd.wire imports no vLLM).
-for _entry in (SCRIPTS, SCRIPTS.parent / "overlay"):
-    if str(_entry) not in sys.path:
-        sys.path.insert(0, str(_entry))
-
-import serving  # noqa: E402
-import stage_model  # noqa: E402
+import repo_paths  # noqa: F401
+import serving
+import stage_model
 
 COST_NAMES = ("a", "f", "t")
 

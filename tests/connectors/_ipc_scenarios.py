@@ -11,8 +11,8 @@ import time
 from typing import Any
 
 import torch
-from _harness import NUM_EXPERTS, make_connector, make_placement, make_spec
-from _scenarios import crossing_layers, ffn_compute, make_hidden, make_logits
+from tests.connectors._harness import NUM_EXPERTS, make_connector, make_placement, make_spec
+from tests.connectors._scenarios import crossing_layers, ffn_compute, make_hidden, make_logits
 
 from vllm_afd.wire.connector import AFDConnector
 from vllm_afd.wire.messages import RoutingSpec
@@ -64,7 +64,8 @@ def eager_then_graphs(role: str, port: int, gate: bool, num_replays: int = 3) ->
                 continue
             connector.publish({0: [num_rows]})
             hidden = make_hidden(0, step, 0, 0, num_rows, torch.bfloat16, device)
-            expected = _reference(hidden.clone(), gate, lambda layer: make_logits(0, step, layer, num_rows, device))
+            expected = _reference(hidden.clone(), gate,
+                                  lambda layer, step=step, num_rows=num_rows: make_logits(0, step, layer, num_rows, device))
             for layer in layers:
                 logits = make_logits(0, step, layer, num_rows, device) if gate else None
                 connector.send_a2f(0, hidden, logits)
@@ -77,7 +78,7 @@ def eager_then_graphs(role: str, port: int, gate: bool, num_replays: int = 3) ->
 
         def attention_step() -> None:
             hidden = static_in + 0
-            for position, layer in enumerate(layers):
+            for position in range(len(layers)):
                 connector.send_a2f(0, hidden, static_logits[position] if gate else None)
                 connector.recv_f2a(0, hidden)
             static_out.copy_(hidden)

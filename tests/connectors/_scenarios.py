@@ -12,7 +12,7 @@ import time
 from typing import Any
 
 import torch
-from _harness import HIDDEN_SIZE, NUM_EXPERTS, make_connector, make_placement, make_spec
+from tests.connectors._harness import HIDDEN_SIZE, NUM_EXPERTS, make_connector, make_placement, make_spec
 
 from vllm_afd.wire.connector import AFDConnector
 from vllm_afd.wire.messages import RoutingSpec
@@ -147,12 +147,12 @@ def pingpong(role: str, rank: int, num_attention: int, num_ffn: int, port: int, 
         connector.publish(counts_dp)
         sent: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
-        def send(layer: int, stage: int) -> None:
+        def send(layer: int, stage: int, step: int = step, counts_dp: dict = counts_dp, sent: dict = sent) -> None:
             hidden = make_hidden(rank, step, layer, stage, max(1, counts_dp[stage][rank]), dtype)
             sent[stage] = (hidden, ffn_compute(hidden, None, layer))
             connector.send_a2f(stage, hidden)
 
-        def receive(stage: int) -> None:
+        def receive(stage: int, step: int = step, sent: dict = sent) -> None:
             hidden, expected = sent.pop(stage)
             assert torch.equal(connector.recv_f2a(stage, hidden), expected), f"step {step} stage {stage}: wrong result"
 

@@ -2,19 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
-# NOTE: spawned workers import `_harness` / `_scenarios` by name; this folder must be on their path
-# (spawn hands the parent's sys.path to its children).
-sys.path.insert(0, str(Path(__file__).parent))
-if importlib.util.find_spec("vllm_afd") is None:  # a bare checkout without `pip install -e .`
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "overlay"))
-
-from _harness import WorkerPool  # noqa: E402
+# NOTE: spawned workers import `tests.connectors._harness` / `_scenarios` by name: pytest puts the
+# repository root on sys.path for the `tests` package, and spawn hands the parent's sys.path to its children.
+from tests.connectors._harness import WorkerPool
 
 
 @pytest.fixture(scope="session")

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _harness import expect_ok, free_port
-from _scenarios import exchange, nccl_on_one_gpu
+from tests.connectors._harness import expect_ok, free_port
+from tests.connectors._scenarios import exchange, nccl_on_one_gpu
 
 pytestmark = [
     pytest.mark.gpu,

@@ -10,8 +10,8 @@ import datetime
 import time
 
 import pytest
-from _harness import expect_ok, free_port
-from _scenarios import (exchange, exchange_then_die, garbage_payload, hung_ffn, idle_attention, pingpong,
+from tests.connectors._harness import expect_ok, free_port
+from tests.connectors._scenarios import (exchange, exchange_then_die, garbage_payload, hung_ffn, idle_attention, pingpong,
                         reforming_pair, step_counts)
 
 

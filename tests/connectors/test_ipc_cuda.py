@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _harness import expect_ok, free_port
-from _ipc_scenarios import driver_on_this_gpu, eager_then_graphs, peer_dies_mid_step
+from tests.connectors._harness import expect_ok, free_port
+from tests.connectors._ipc_scenarios import driver_on_this_gpu, eager_then_graphs, peer_dies_mid_step
 
 pytestmark = [
     pytest.mark.gpu,

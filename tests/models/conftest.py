@@ -16,10 +16,6 @@ from collections.abc import Callable
 
 import pytest
 
-if importlib.util.find_spec("vllm_afd") is None:
-    # NOTE: CI installs the package with `pip install -e .`; this only serves a bare checkout.
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "overlay"))
-
 
 def _free_port() -> int:
     with socket.socket() as sock:
@@ -90,6 +86,9 @@ def build(vllm_distributed) -> Callable[..., object]:
     )
     from vllm.utils.torch_utils import set_default_torch_dtype
 
+    from vllm_afd.config import parse_afd_config
+    from vllm_afd.workers.common import make_role_vllm_config
+
     def _build(model_dir, model_class=None, afd=None, env=None, **engine_kwargs):
         with pytest.MonkeyPatch.context() as mp:
             for key, value in (env or {}).items():
@@ -103,6 +102,8 @@ def build(vllm_distributed) -> Callable[..., object]:
                 additional_config={} if afd is None else {"afd": afd},
                 **engine_kwargs,
             ).create_engine_config()
+            if afd is not None:  # as the role worker does: one parse, carried by the role runner's config
+                config = make_role_vllm_config(config, parse_afd_config(config))
             with set_current_vllm_config(config), set_default_torch_dtype(config.model_config.dtype):
                 model = initialize_model(vllm_config=config, model_class=model_class)
                 get_model_loader(config.load_config).load_weights(model, config.model_config)

@@ -3,17 +3,14 @@ main() with captured output, and (for `wheel` tests) the official wheels fetched
 cache by the same code the script uses.  Helpers live in patch_helpers.py."""
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
+import apply_patches
 import pytest
+from afd_patchtool import _series
+from afd_patchtool import _wheel as wh
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from patch_helpers import ROOT, VERSION_PY, code_file, pin_text, wheel_cache  # noqa: E402
-
-import _series  # noqa: E402
-import _wheel as wh  # noqa: E402
-import apply_patches  # noqa: E402
+from tests.patches.patch_helpers import ROOT, VERSION_PY, code_file, pin_text, wheel_cache
 
 
 @pytest.fixture

@@ -6,17 +6,13 @@ import csv
 import hashlib
 import io
 import os
-import sys
 import zipfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-for _path in (ROOT / "scripts", ROOT / "tests"):
-    if str(_path) not in sys.path:
-        sys.path.insert(0, str(_path))
+from afd_patchtool import _diff
+from afd_patchtool import _wheel as wh
 
-import _diff  # noqa: E402
-import _wheel as wh  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
 
 VERSION_PY = b"__version__ = version = '0.30.0'\n__commit_id__ = commit_id = 'gced6857af'\n"
 HEADER = (b"Subject: t: test patch\nCategory: seam\nWhy: test\nHow: test\nUpstream: local only\n"

@@ -8,11 +8,11 @@ import json
 import os
 
 import pytest
-from patch_helpers import HEADER, make_hook_patch, snapshot, write_series
+from tests.patches.patch_helpers import HEADER, make_hook_patch, snapshot, write_series
 
-import _series
-import _tree
-import _wheel as wh
+from afd_patchtool import _series
+from afd_patchtool import _tree
+from afd_patchtool import _wheel as wh
 
 WRONG_CONTEXT = b"""Subject: t: wrong context
 Why: test
@@ -33,7 +33,7 @@ index 0000000000000000000000000000000000000000..00000000000000000000000000000000
  def f2():
      return 999
  
-"""
+"""  # noqa: W293 - a blank context line of a diff is one space
 
 REMOVES_MISSING = b"""Subject: t: removes a missing line
 Why: test
@@ -50,7 +50,7 @@ diff --git a/vllm/a.py b/vllm/a.py
  
 -this_line_is_not_there = True
  def f3():
-"""
+"""  # noqa: W293 - a blank context line of a diff is one space
 
 
 @pytest.fixture

@@ -16,10 +16,10 @@ import sysconfig
 import zipfile
 
 import pytest
-from patch_helpers import ROOT, snapshot, wheel_cache
+from tests.patches.patch_helpers import ROOT, snapshot, wheel_cache
 
-import _series
-import _wheel as wh
+from afd_patchtool import _series
+from afd_patchtool import _wheel as wh
 
 pytestmark = pytest.mark.wheel
 TIMEOUT_S = 300

@@ -2,9 +2,9 @@
 from __future__ import annotations
 
 import pytest
-from patch_helpers import HEADER, code_file, hook_edit, write_series
+from tests.patches.patch_helpers import HEADER, code_file, hook_edit, write_series
 
-import _diff
+from afd_patchtool import _diff
 
 A = code_file()
 GOOD = _diff.make_patch(HEADER.replace(b"vllm/a.py::f\n", b"vllm/a.py::f5\n"),

@@ -9,10 +9,10 @@ import unidiff
 from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 
-import _diff
-import _placement
-import _series
-import strategies as gen
+from afd_patchtool import _diff
+from afd_patchtool import _placement
+from afd_patchtool import _series
+from tests import strategies as gen
 
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 PATH = "vllm/x.py"

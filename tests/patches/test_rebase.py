@@ -2,11 +2,11 @@
 from __future__ import annotations
 
 import pytest
-from patch_helpers import HEADER, VERSION_PY, make_hook_patch, write_series
+from tests.patches.patch_helpers import HEADER, VERSION_PY, make_hook_patch, write_series
 
-import _diff
-import _rebase
-import _series
+from afd_patchtool import _diff
+from afd_patchtool import _rebase
+from afd_patchtool import _series
 
 RENAMED = b"""def f():
     dp_sync = 1

@@ -13,14 +13,14 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from patch_helpers import HEADER, code_file, hook_edit, snapshot, write_series
+from tests.patches.patch_helpers import HEADER, code_file, hook_edit, snapshot, write_series
 
-import _wheel as wh
+from afd_patchtool import _wheel as wh
 
-import _diff
-import _placement
-import _refresh
-import _series
+from afd_patchtool import _diff
+from afd_patchtool import _placement
+from afd_patchtool import _refresh
+from afd_patchtool import _series
 
 NUM_FUNCS = 12
 

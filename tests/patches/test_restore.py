@@ -10,9 +10,9 @@ import json
 import zipfile
 
 import pytest
-from patch_helpers import HEADER, make_hook_patch, mini_wheel, pin_text, snapshot, write_series
+from tests.patches.patch_helpers import HEADER, make_hook_patch, mini_wheel, pin_text, snapshot, write_series
 
-import _wheel as wh
+from afd_patchtool import _wheel as wh
 
 
 @pytest.fixture

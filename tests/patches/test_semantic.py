@@ -11,10 +11,10 @@ import json
 from pathlib import Path
 
 import pytest
-from patch_helpers import HEADER, VERSION_PY, write_series
+from tests.patches.patch_helpers import HEADER, VERSION_PY, write_series
 
-import _diff
-import _series
+from afd_patchtool import _diff
+from afd_patchtool import _series
 
 
 def tree_of(root, files: dict[str, bytes]):

@@ -10,9 +10,9 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from patch_helpers import UPSTREAM_TAGS, VERSION_PY, make_hook_patch, mini_wheel, pin_text, write_series
+from tests.patches.patch_helpers import UPSTREAM_TAGS, VERSION_PY, make_hook_patch, mini_wheel, pin_text, write_series
 
-import _wheel as wh
+from afd_patchtool import _wheel as wh
 
 @pytest.fixture
 def setup(tmp_path, tree):

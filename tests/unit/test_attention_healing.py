@@ -4,22 +4,20 @@ connector, "returns" as a new one on the same port."""
 
 from __future__ import annotations
 
-import sys
 import threading
 from pathlib import Path
 
 import pytest
 
 pytest.importorskip("vllm")
-sys.path.insert(0, str(Path(__file__).parents[1] / "connectors"))
-from _harness import free_port  # noqa: E402
-from _vllm_configs import make_vllm_config  # noqa: E402
-from afd_harness.metrics import wait_for  # noqa: E402
+from tests.connectors._harness import free_port
+from tests.connectors._vllm_configs import make_vllm_config
+from afd_harness.metrics import wait_for
 
-from vllm_afd.attention.healing import AttentionHealer  # noqa: E402
-from vllm_afd.config import parse_afd_config  # noqa: E402
-from vllm_afd.outage import OUTAGE_FILE, read_outage  # noqa: E402
-from vllm_afd.wire.errors import AFDPeerLostError, AFDRendezvousTimeout  # noqa: E402
+from vllm_afd.attention.healing import AttentionHealer
+from vllm_afd.config import parse_afd_config
+from vllm_afd.outage import OUTAGE_FILE, read_outage
+from vllm_afd.wire.errors import AFDPeerLostError, AFDRendezvousTimeout
 
 FAST = {"connector": "P2pGlooAFDConnector", "rendezvous_timeout_s": 20, "peer_timeout_s": 2}
 

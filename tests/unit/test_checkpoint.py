@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -176,8 +175,7 @@ def test_a_hub_id_in_the_cache_digests_like_a_local_copy(tmp_path):
 
 def test_build_fingerprint_carries_the_checkpoint_digests(tmp_path):
     pytest.importorskip("vllm")
-    sys.path.insert(0, str(Path(__file__).parents[1] / "connectors"))
-    from _vllm_configs import TINY_QWEN3_MOE, make_vllm_config
+    from tests.connectors._vllm_configs import TINY_QWEN3_MOE, make_vllm_config
 
     from vllm_afd.config import parse_afd_config
     from vllm_afd.connect import build_fingerprint

@@ -15,7 +15,6 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import vllm_afd
-from vllm_afd import config as config_module
 from vllm_afd.config import (ALIASES, CONNECTORS, NUM_STAGES, ROLES, RUNTIME_ONLY_FIELDS, AFDConfig,
                              check_p2p_extra_config, get_additional_config, parse_afd_config, require_afd_config)
 

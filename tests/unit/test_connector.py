@@ -7,16 +7,13 @@ inspected; the real transports are covered by tests/connectors.
 
 from __future__ import annotations
 
-import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "connectors"))
-from _harness import (  # noqa: E402
+from tests.connectors._harness import (
     QueueTransport,
     free_port,
     init_all,
@@ -27,10 +24,10 @@ from _harness import (  # noqa: E402
     pending,
 )
 
-from vllm_afd.wire.connector import MAX_CONTROL_BYTES  # noqa: E402
-from vllm_afd.wire.errors import AFDPeerLostError, AFDProtocolError, AFDRendezvousTimeout  # noqa: E402
-from vllm_afd.wire.messages import ControlPayload, RoutingSpec  # noqa: E402
-from vllm_afd.wire.placement import CONTROL  # noqa: E402
+from vllm_afd.wire.connector import MAX_CONTROL_BYTES
+from vllm_afd.wire.errors import AFDPeerLostError, AFDProtocolError, AFDRendezvousTimeout
+from vllm_afd.wire.messages import ControlPayload, RoutingSpec
+from vllm_afd.wire.placement import CONTROL
 
 BF16 = torch.bfloat16
 

@@ -9,9 +9,7 @@ idempotent. The real transports are covered by tests/connectors.
 
 from __future__ import annotations
 
-import sys
 import threading
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,8 +17,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "connectors"))
-from _harness import (  # noqa: E402
+from tests.connectors._harness import (
     QueueTransport,
     free_port,
     make_connector,
@@ -30,8 +27,8 @@ from _harness import (  # noqa: E402
     pending,
 )
 
-from vllm_afd.wire.connector import AFDConnector  # noqa: E402
-from vllm_afd.wire.placement import A2F, F2A  # noqa: E402
+from vllm_afd.wire.connector import AFDConnector
+from vllm_afd.wire.placement import A2F, F2A
 
 NUM_LAYERS = 2
 HIDDEN = 64

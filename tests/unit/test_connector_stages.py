@@ -8,17 +8,14 @@ in-memory ``QueueTransport`` of tests/connectors/_harness.py, whose handles reco
 
 from __future__ import annotations
 
-import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "connectors"))
-from _harness import QueueTransport, free_port, init_all, make_connector, make_placement, make_spec, new_wire  # noqa: E402
+from tests.connectors._harness import QueueTransport, free_port, init_all, make_connector, make_placement, make_spec, new_wire
 
-from vllm_afd.wire.errors import AFDProtocolError  # noqa: E402
+from vllm_afd.wire.errors import AFDProtocolError
 
 BF16 = torch.bfloat16
 

@@ -8,19 +8,17 @@ fail before a server starts is tested here: the server flags, the ratios and the
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "scripts" / "device"))
+import bench_ipc_floor
+import gpu_e2e
+import ipc_report
+import serving
+from bench_connector_rtt import parse_shapes
 
-import bench_ipc_floor  # noqa: E402
-import gpu_e2e  # noqa: E402
-import ipc_report  # noqa: E402
-import serving  # noqa: E402
-from bench_connector_rtt import parse_shapes  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
 
 PORTS = {"afd_eager": 7001, "afd_ipc_eager": 7002, "afd_ipc_graphs": 7003}
 

@@ -22,17 +22,17 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+import e2e_report as report
+import gpu_e2e
+import install_overlay
+import phases
+import run_state
+import serving
+from bench_connector_rtt import parse_shapes, run_bench
+
 ROOT = Path(__file__).resolve().parents[2]
 DEVICE = ROOT / "scripts" / "device"
-sys.path.insert(0, str(DEVICE))
 
-import e2e_report as report  # noqa: E402
-import gpu_e2e  # noqa: E402
-import install_overlay  # noqa: E402
-import phases  # noqa: E402
-import run_state  # noqa: E402
-import serving  # noqa: E402
-from bench_connector_rtt import parse_shapes, run_bench  # noqa: E402
 
 def test_read_project_of_the_overlay():
     info = install_overlay.read_project(ROOT)
@@ -45,10 +45,18 @@ def test_read_project_of_the_overlay():
 
 
 def test_device_scripts_find_the_test_harness():
-    """gpu_e2e.py and build_models.py put run_state.HARNESS on the path; the device has no pip."""
+    """The models phase puts run_state.HARNESS on build_models.py's PYTHONPATH; the device has no pip."""
     assert (run_state.HARNESS / "pyproject.toml").is_file()
     assert (run_state.HARNESS / "afd_harness" / "server.py").is_file()
     assert (run_state.HARNESS / "afd_harness" / "tiny_models.py").is_file()
+
+
+def test_repo_paths_name_the_folders_their_modules_live_in():
+    """gpu_e2e.py imports through repo_paths.ROOTS on the GPU machine, where nothing is installed."""
+    import repo_paths
+
+    for module, root in repo_paths.ROOTS.items():
+        assert (root / module).is_dir() or (root / f"{module}.py").is_file(), (module, root)
 
 
 @pytest.fixture(scope="module")

@@ -3,20 +3,17 @@ loopback, returning attentions built from the same config-only tiny Qwen3-MoE (n
 
 from __future__ import annotations
 
-import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 
 pytest.importorskip("vllm")
-sys.path.insert(0, str(Path(__file__).parents[1] / "connectors"))
-from _harness import free_port  # noqa: E402
-from _vllm_configs import make_vllm_config  # noqa: E402
+from tests.connectors._harness import free_port
+from tests.connectors._vllm_configs import make_vllm_config
 
-from vllm_afd.config import parse_afd_config  # noqa: E402
-from vllm_afd.wire.errors import AFDConfigMismatchError, AFDPeerLostError, AFDRendezvousTimeout  # noqa: E402
+from vllm_afd.config import parse_afd_config
+from vllm_afd.wire.errors import AFDConfigMismatchError, AFDPeerLostError, AFDRendezvousTimeout
 
 GLOO = {"connector": "P2pGlooAFDConnector"}
 

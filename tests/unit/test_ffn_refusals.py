@@ -7,17 +7,14 @@ of a config-only tiny Qwen3-MoE (constructing it communicates nothing).
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
 import pytest
 
 pytest.importorskip("vllm")
-sys.path.insert(0, str(Path(__file__).parents[1] / "connectors"))
-from _vllm_configs import make_vllm_config, write_tiny_model  # noqa: E402
+from tests.connectors._vllm_configs import make_vllm_config, write_tiny_model
 
-from vllm_afd.config import parse_afd_config  # noqa: E402
-from vllm_afd.ffn.worker import FFNWorkerMixin  # noqa: E402
+from vllm_afd.config import parse_afd_config
+from vllm_afd.ffn.worker import FFNWorkerMixin
 
 
 class Worker(FFNWorkerMixin):

@@ -7,21 +7,18 @@ shows is tests/connectors/test_ipc_cuda.py.
 
 from __future__ import annotations
 
-import sys
 import threading
-from pathlib import Path
 
 import pytest
 import torch
 from _ipc_sim import FakeDriver, ThreadedSimDevice
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "connectors"))
-from _harness import NUM_EXPERTS, free_port, make_connector, make_placement, make_spec  # noqa: E402
-from _scenarios import crossing_layers, ffn_compute, make_hidden, make_logits  # noqa: E402
+from tests.connectors._harness import NUM_EXPERTS, free_port, make_connector, make_placement, make_spec
+from tests.connectors._scenarios import crossing_layers, ffn_compute, make_hidden, make_logits
 
-from vllm_afd.wire.messages import RoutingSpec  # noqa: E402
-from vllm_afd.wire.transports.ipc import IpcTransport, message_row_bytes  # noqa: E402
-from vllm_afd.wire.transports.mailbox import MailboxTransport  # noqa: E402
+from vllm_afd.wire.messages import RoutingSpec
+from vllm_afd.wire.transports.ipc import IpcTransport, message_row_bytes
+from vllm_afd.wire.transports.mailbox import MailboxTransport
 
 MAX_ROWS = 8
 ROWS_PER_STEP = (3, 1, MAX_ROWS, 2)

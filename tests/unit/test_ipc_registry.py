@@ -3,9 +3,6 @@ CUDA-only refusals (docs/config.md#choosing-a-connector, docs/decisions.md#23-tr
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 

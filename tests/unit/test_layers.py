@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parents[2] / "scripts"))
-import layers  # noqa: E402
+import layers
 
 
 def test_no_overlay_import_points_up_a_layer():

@@ -7,9 +7,7 @@ gloo connectors do.
 
 from __future__ import annotations
 
-import sys
 import threading
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,9 +15,8 @@ import torch
 pytest.importorskip("vllm")
 from vllm.forward_context import DPMetadata, create_forward_context, override_forward_context  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "connectors"))
-from _harness import free_port, make_placement  # noqa: E402
-from _vllm_configs import make_vllm_config, write_tiny_model  # noqa: E402
+from tests.connectors._harness import free_port, make_placement  # noqa: E402
+from tests.connectors._vllm_configs import make_vllm_config, write_tiny_model  # noqa: E402
 
 from vllm_afd.config import parse_afd_config  # noqa: E402
 from vllm_afd.connect import build_connector  # noqa: E402

@@ -2,21 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
-import pathlib
 import random
-import sys
 
-from hypothesis import example, given
-from hypothesis import strategies as st
-
-if importlib.util.find_spec("afd_harness") is None:
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "harness"))
-
-from afd_harness.soak import (  # noqa: E402
+from afd_harness.soak import (
     KINDS, OK_OUTCOMES, Attempt, Chunk, classify, choose_kind, group_rss_mb, memory_growth, parse_stream_line,
 )
+from hypothesis import example, given
+from hypothesis import strategies as st
 
 EXPECTED = [[1, 2, 3], [4, 5]]
 DOWN = [(10.0, 20.0)]

@@ -2,18 +2,15 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-sys.path.insert(0, str(Path(__file__).parents[2] / "scripts"))
-import stage_model  # noqa: E402
-from _stage_steps import staged_step  # noqa: E402
+import stage_model
+from _stage_steps import staged_step
 
-from vllm_afd.wire.timeline import StepRecord  # noqa: E402
+from vllm_afd.wire.timeline import StepRecord
 
 US = 1000  # ns
 costs = st.floats(min_value=0.0, max_value=10.0, allow_nan=False)

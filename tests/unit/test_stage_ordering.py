@@ -81,7 +81,7 @@ def attention_program(steps: list[tuple[int, int]], messages: int, blocking_send
     for num_stages, num_layers in steps:
         pending: dict[int, list[Op]] = {}
 
-        def send(stage: int) -> None:
+        def send(stage: int, pending: dict = pending) -> None:
             sends = [program.post("send", A2F) for _ in range(messages)]
             if blocking_sends:
                 for op in sends:
@@ -89,14 +89,14 @@ def attention_program(steps: list[tuple[int, int]], messages: int, blocking_send
             else:
                 pending[stage] = sends
 
-        def recv(stage: int) -> None:
+        def recv(stage: int, pending: dict = pending) -> None:
             for op in pending.pop(stage, []):  # AFDConnector.recv_f2a waits the stage's pending send first
                 program.wait(op)
             program.wait(program.post("recv", F2A))
 
         for stage in range(num_stages):
             send(stage)
-        for layer in range(1, num_layers):
+        for _layer in range(1, num_layers):
             for stage in range(num_stages):
                 recv(stage)
                 send(stage)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -13,15 +12,14 @@ import pytest
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "scripts" / "device"))
+import e2e_report
+import phases
+import serving
+import stage_model
+import stage_prediction
+from _stage_steps import staged_step
 
-import e2e_report  # noqa: E402
-import phases  # noqa: E402
-import serving  # noqa: E402
-import stage_model  # noqa: E402  (on sys.path through stage_prediction)
-import stage_prediction  # noqa: E402
-from _stage_steps import staged_step  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
 
 TWIN, STAGED = "afd_ipc_graphs", "afd_ipc_graphs_s2"
 LAYERS = 3

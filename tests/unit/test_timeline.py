@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -14,8 +12,7 @@ from vllm_afd.wire.clocks import HostClock
 from vllm_afd.wire.messages import ControlPayload
 from vllm_afd.wire.timeline import ATTENTION_MARKS, FFN_MARKS, Mark, StepRecord, Timeline, step_layout
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "connectors"))
-from _harness import (  # noqa: E402
+from tests.connectors._harness import (
     QueueTransport,
     free_port,
     init_all,

@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parents[2] / "scripts"))
-import timeline_report  # noqa: E402
+import timeline_report
 
-from vllm_afd.wire.timeline import Mark, StepRecord  # noqa: E402
+from vllm_afd.wire.timeline import Mark, StepRecord
 
 LAYERS = 3
 US = 1000  # ns

@@ -1,4 +1,5 @@
-"""The CUDA attention's micro-batch stages: vLLM's own `UBatchRunner`, told AFD's count (docs/pingpong.md#41-model-runner-v2-cuda).
+"""The CUDA attention's micro-batch stages: vLLM's own `UBatchRunner`, told AFD's count
+(docs/pingpong.md#41-model-runner-v2-cuda).
 
 Model Runner V2 already runs a step as micro-batches: `UBatchRunner.prepare` slices the batch and
 builds one forward context per micro-batch, `run` runs the native model forward once per

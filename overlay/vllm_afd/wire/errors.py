@@ -32,7 +32,7 @@ class AFDProtocolError(AFDError, RuntimeError):
     (docs/protocol.md#control-payload)."""
 
 
-class AFDRendezvousTimeout(AFDError, RuntimeError):
+class AFDRendezvousTimeout(AFDError, RuntimeError):  # noqa: N818 - a public name, in logs and docs
     """Rendezvous and handshake did not finish within ``rendezvous_timeout_s``
     (docs/connection.md#rendezvous)."""
 

@@ -8,7 +8,8 @@ One run's topology (names and the /28 address block are unique to the run; `B` =
     afd-<token>-attention: afd-peer B+2/30 ── veth ── B+1/30 afd-peer :afd-<token>-ffn
 
 The roles talk only over the `afd-peer` link (a namespace has routes only to its own two /30s,
-no default route), so the AFD `host` must be the FFN's `afd-peer` address.  The uplinks exist so that the test process reaches both HTTP ports
+no default route), so the AFD `host` must be the FFN's `afd-peer` address.  The uplinks exist so
+that the test process reaches both HTTP ports
 (health checks, requests) without entering a namespace.  Interface names inside a namespace
 are local to it, so `afd-peer` and `afd-up` are the same in both; only the root-side ends
 carry the run's token.  Deleting the two namespaces deletes every link (a veth pair dies

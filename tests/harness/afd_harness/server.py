@@ -79,7 +79,8 @@ def free_ports(num_ports: int, host: str = "127.0.0.1") -> list[int]:
         for attempt in range(PORT_PICK_ATTEMPTS + num_ports):
             if len(sockets) == num_ports:
                 break
-            port = pick.randrange(PORT_FLOOR, ceiling) if ceiling > PORT_FLOOR + 1000 and attempt < PORT_PICK_ATTEMPTS else 0
+            spread = ceiling > PORT_FLOOR + 1000 and attempt < PORT_PICK_ATTEMPTS
+            port = pick.randrange(PORT_FLOOR, ceiling) if spread else 0
             sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             try:
                 sock.bind((host, port))

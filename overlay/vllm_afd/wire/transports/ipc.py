@@ -31,7 +31,8 @@ layer l+1 is sent only after stage s of layer l was received, so at most k excha
 unconsumed at any time. Each (channel, peer) therefore cycles through ``num_stages`` x positions
 slots in message order (message n uses slot n mod that; its position is n mod positions, so sizes
 match), which also serves a step of fewer stages than ``num_stages``. Sends never wait (a copy and a
-flag write), so ``isend`` enqueues them on the current stream and returns a completed handle. Both sides count message positions alike
+flag write), so ``isend`` enqueues them on the current stream and returns a completed handle. Both
+sides count message positions alike
 (positional protocol), every step is whole exchanges, so a replayed graph begins and ends with
 every flag EMPTY (tests/unit/test_ipc_protocol.py checks this on a simulated device).
 
@@ -81,7 +82,8 @@ HOLD_PERIOD_S = 0.001  # after abort(), how often the flags this rank waits on a
 HOLD_JOIN_S = 1.0
 
 
-def message_row_bytes(hidden_size: int, dtype: torch.dtype, router_logits_width: int | None) -> dict[str, tuple[int, ...]]:
+def message_row_bytes(hidden_size: int, dtype: torch.dtype,
+                      router_logits_width: int | None) -> dict[str, tuple[int, ...]]:
     """Bytes per row of each message position of one exchange: a2f hidden[, router logits]; f2a output."""
     hidden = hidden_size * dtype.itemsize
     a2f = (hidden,) if router_logits_width is None else (hidden, router_logits_width * ROUTER_LOGIT_BYTES)
@@ -135,7 +137,8 @@ def send_ops(slot_pointer: int, flag_pointer: int, src: int, nbytes: int) -> tup
 
 
 def recv_ops(slot_pointer: int, flag_pointer: int, dst: int, nbytes: int) -> tuple[Op, ...]:
-    return (Op(WAIT, flag_pointer, value=FULL), Op(COPY, dst, slot_pointer, nbytes), Op(WRITE, flag_pointer, value=EMPTY))
+    return (Op(WAIT, flag_pointer, value=FULL), Op(COPY, dst, slot_pointer, nbytes),
+            Op(WRITE, flag_pointer, value=EMPTY))
 
 
 def check_members(records: Mapping[int, Mapping[str, Any]], own: int) -> None:

@@ -2,13 +2,15 @@
 
 One communicator per data channel (a2f, f2a), each over a group on a prefix of the AFD store and
 bound to the rank's GPU; the control channel is a gloo group on the host, like the IPC transport's,
-so publishing and reading a step's payload never waits for the GPU (docs/timeline.md). The communicator is made by the caller's ``make_communicator``: the
+so publishing and reading a step's payload never waits for the GPU (docs/timeline.md). The
+communicator is made by the caller's ``make_communicator``: the
 vLLM-facing layer passes vLLM's ``PyNcclCommunicator`` (vllm_afd/connect.py), so this package
 imports no vLLM. Receives and control-free ``send``s run on the caller's current
 stream, so they can be captured in CUDA graphs; an ``isend`` runs on the channel's comm stream after
 an event of the current stream, and its handle makes the current stream wait for the send's
 completion event (an NCCL send kernel waits for the receiver: on the compute stream it would hold
-every later receive, docs/pingpong.md#5-ordering-why-the-receives-cannot-deadlock). NCCL refuses two ranks on one GPU, so the ranks'
+every later receive, docs/pingpong.md#5-ordering-why-the-receives-cannot-deadlock). NCCL refuses
+two ranks on one GPU, so the ranks'
 GPU UUIDs are compared through the store first and the refusal names the fix. ``abort()`` and
 ``close()`` destroy the communicators (``ncclCommAbort`` on a daemon thread inside vLLM); after that
 vLLM's ``send``/``recv`` silently do nothing, which is why the protocol checks for failure before

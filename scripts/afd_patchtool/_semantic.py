@@ -23,7 +23,7 @@ import re
 from dataclasses import asdict, dataclass
 from typing import Callable, Iterable
 
-import _series
+from afd_patchtool import _series
 
 Read = Callable[[str], "bytes | None"]
 CALL_RE = re.compile(r"[A-Za-z_][\w.]*\.[A-Za-z_]\w*\((?:[^()]|\([^()]*\))*\)")

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
-from _series import FilePatch, Hunk, Patch, blob_id, split_lines
+from afd_patchtool._series import FilePatch, Hunk, Patch, blob_id, split_lines
 
 # Hunk statuses, as printed by --check and the rebase report.
 CLEAN, OFFSET, FUZZ = "clean", "offset", "needs fuzz"
@@ -118,7 +118,7 @@ def place_hunks(patch_name: str, fp: FilePatch, lines: list[bytes], *, fuzz: int
                     ("offset", old, expected, max_offset), ("reverse", new, expected, max_offset)]
         edges = (hunk.num_lead < context, hunk.num_trail < context)
         pos = None
-        for method, want, start, limit in attempts:
+        for _method, want, start, limit in attempts:
             pos, ambiguous = _find(keys, want, start, limit, edges)
             if ambiguous:
                 rec.status, rec.method = AMBIGUOUS, "none"

@@ -19,11 +19,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-import _diff
-import _placement
-import _series
-from _report import Out
-from _upstream import pristine_sources, read_file
+from afd_patchtool import _diff
+from afd_patchtool import _placement
+from afd_patchtool import _series
+from afd_patchtool._report import Out
+from afd_patchtool._upstream import pristine_sources, read_file
 
 Read = Callable[[str], "bytes | None"]
 

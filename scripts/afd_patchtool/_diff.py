@@ -15,7 +15,7 @@ import difflib
 import re
 from typing import Iterable
 
-from _series import ZERO_BLOB, blob_id, split_lines
+from afd_patchtool._series import ZERO_BLOB, blob_id, split_lines
 
 CONTEXT = 3  # context lines per hunk side that the diff writer emits and the lint expects
 

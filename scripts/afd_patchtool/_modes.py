@@ -12,15 +12,15 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-import _diff
-import _placement
-import _series
-import _tree
-import _wheel as wh
-from _report import Out, hunk_summary, report_result, worst
-from _upstream import flavors_of, pristine_sources, read_file, resolve_ref, upstream_wheel
+from afd_patchtool import _diff
+from afd_patchtool import _placement
+from afd_patchtool import _series
+from afd_patchtool import _tree
+from afd_patchtool import _wheel as wh
+from afd_patchtool._report import Out, hunk_summary, report_result, worst
+from afd_patchtool._upstream import flavors_of, pristine_sources, read_file, resolve_ref, upstream_wheel
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def run_check(args, pin, patches, out: Out) -> int:
@@ -62,7 +62,7 @@ def run_check(args, pin, patches, out: Out) -> int:
 
 
 def _anchor_problems(patches, result: _placement.SeriesResult) -> list[str]:
-    import _rebase
+    from afd_patchtool import _rebase
     return [problem for patch in patches for fp in patch.files if result.after.get(fp.path)
             for problem in _rebase.anchor_problems(patch, fp.path, result.after[fp.path])]
 

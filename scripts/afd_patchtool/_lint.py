@@ -10,8 +10,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-import _diff
-import _series
+from afd_patchtool import _diff
+from afd_patchtool import _series
 
 REQUIRED = ("Subject", "Why", "Upstream", "Remove-When")
 RECOMMENDED = ("Category", "How", "Anchor", "Used-By", "Upstream-Pin", "Last-Update")

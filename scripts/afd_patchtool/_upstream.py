@@ -10,11 +10,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-import _series
-import _wheel as wh
-from _report import Out
+from afd_patchtool import _series
+from afd_patchtool import _wheel as wh
+from afd_patchtool._report import Out
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 VARIANT_FILES = {"vllm/_version.py", "vllm/platforms/__init__.py"}
 
 

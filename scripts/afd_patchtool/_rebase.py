@@ -23,12 +23,12 @@ import zipfile
 from pathlib import Path
 from typing import Callable
 
-import _placement
-import _semantic
-import _series
-import _upstream
-import _wheel as wh
-from _semantic import Finding
+from afd_patchtool import _placement
+from afd_patchtool import _semantic
+from afd_patchtool import _series
+from afd_patchtool import _upstream
+from afd_patchtool import _wheel as wh
+from afd_patchtool._semantic import Finding
 
 WS_RE = re.compile(rb"\s+")
 DEF_NAME_RE = re.compile(rb"^\s*(?:async\s+def|def|class)\s+(\w+)")
