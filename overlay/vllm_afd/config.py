@@ -465,19 +465,27 @@ class ParsedAdditionalConfig(dict):
 
 
 def afd_config_of(src: Any, caller: str) -> AFDConfig:
-    """The worker's parse carried by a role runner's config, else a parse of ``src`` (required)."""
+    """The worker's parse carried by a role runner's config; never a second parse."""
     additional = get_additional_config(src)
-    if isinstance(additional, ParsedAdditionalConfig):
-        return additional.afd_config
-    return require_afd_config(src, caller)
+    if additional is None or AFD_KEY not in additional:
+        raise _afd_required(caller)
+    assert isinstance(additional, ParsedAdditionalConfig), (
+        f"{caller}: additional_config['afd'] is parsed once per worker and reaches the model inside the role "
+        "runner's config (workers/common.py, make_role_vllm_config); build the model from that config"
+    )
+    return additional.afd_config
 
 
 def require_afd_config(src: Any, caller: str, expected_role: str | None = None) -> AFDConfig:
     """Like ``parse_afd_config`` for code that only makes sense under AFD (e.g. an AFD worker class)."""
     afd_config = parse_afd_config(src, expected_role=expected_role)
     if afd_config is None:
-        raise ValueError(
-            f'{caller} requires additional_config["afd"]; pass --additional-config '
-            """'{"afd": {"role": ...}}' or drop the AFD-specific setting"""
-        )
+        raise _afd_required(caller)
     return afd_config
+
+
+def _afd_required(caller: str) -> ValueError:
+    return ValueError(
+        f'{caller} requires additional_config["afd"]; pass --additional-config '
+        """'{"afd": {"role": ...}}' or drop the AFD-specific setting"""
+    )

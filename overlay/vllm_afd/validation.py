@@ -157,6 +157,8 @@ def check_features(vllm_config: VllmConfig, afd: AFDConfig, platform: str) -> No
     if parallel.enable_elastic_ep:
         _reject("elastic expert parallelism", "--enable-elastic-ep")
     if parallel.use_sequence_parallel_moe:
+        # NOTE: SP MoE reshapes hidden states around the `mlp` call inside the native decoder forward
+        # (DeepSeek) or the MoE block (Qwen3); the split point assumes full rows.
         _reject("sequence-parallel MoE", "sequence parallelism for MoE")
     if compile_sequence_parallelism(vllm_config.compilation_config):
         _reject("compile-time sequence parallelism", "pass_config.enable_sp")

@@ -235,7 +235,9 @@ WHOLE_MODEL = textwrap.dedent('''
     from vllm.model_executor.model_loader.utils import initialize_model, process_weights_after_loading
     from vllm.utils.torch_utils import set_default_torch_dtype
     from vllm_afd.models.proxy import SIDECAR_KEY, ForwardSidecar, register_afd_ops, register_connector
+    from vllm_afd.config import parse_afd_config
     from vllm_afd.models.qwen3_moe import AFDQwen3MoeForCausalLM
+    from vllm_afd.workers.common import make_role_vllm_config
 
     class RecordingConnector:
         def __init__(self):
@@ -258,6 +260,7 @@ WHOLE_MODEL = textwrap.dedent('''
                             max_num_batched_tokens=256, additional_config={"afd": {
                                 "role": "attention", "connector": "P2pGlooAFDConnector",
                                 "compute_gate_on_attention": gate_on_attention}}).create_engine_config()
+        config = make_role_vllm_config(config, parse_afd_config(config))  # the role worker's one parse
         with set_current_vllm_config(config):
             if not gate_on_attention:
                 init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",

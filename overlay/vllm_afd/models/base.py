@@ -58,16 +58,8 @@ class AFDSettings(NamedTuple):
 
 
 def read_afd_settings(vllm_config: VllmConfig, caller: str) -> AFDSettings:
-    """Role and gate placement (the worker's parse, `afd_config_of`); refuse what the split cannot do."""
+    """Role and gate placement: the worker's parse (`afd_config_of`), checked by `validation.check_features`."""
     afd = afd_config_of(vllm_config, caller)
-    if vllm_config.parallel_config.use_sequence_parallel_moe:
-        # NOTE: SP MoE reshapes hidden states around the `mlp` call inside the native
-        # decoder forward (DeepSeek) or the MoE block (Qwen3); the split point assumes full rows.
-        raise ValueError(
-            f"{caller}: AFD does not support sequence-parallel MoE "
-            "(parallel_config.use_sequence_parallel_moe=True); expected it off. Disable "
-            "sequence parallelism for MoE on both roles."
-        )
     return AFDSettings(afd.role, afd.compute_gate_on_attention)
 
 
