@@ -23,8 +23,7 @@ if [ "$MODE" = "--check" ]; then
   exec "$PY" - docs/rebase-report.json <<'CHECK'
 import json, sys
 from pathlib import Path
-sys.path.insert(0, "scripts")
-import _series
+from afd_patchtool import _series  # pip install -e scripts (ci/setup_env.sh)
 report = Path(sys.argv[1])
 if not report.is_file():
     sys.exit(f"{report}: missing; expected the committed rebase report. Run bash ci/rebase_report.sh.")

@@ -118,7 +118,7 @@ def place_hunks(patch_name: str, fp: FilePatch, lines: list[bytes], *, fuzz: int
                     ("offset", old, expected, max_offset), ("reverse", new, expected, max_offset)]
         edges = (hunk.num_lead < context, hunk.num_trail < context)
         pos = None
-        for _method, want, start, limit in attempts:
+        for method, want, start, limit in attempts:  # noqa: B007 - read after the loop
             pos, ambiguous = _find(keys, want, start, limit, edges)
             if ambiguous:
                 rec.status, rec.method = AMBIGUOUS, "none"
