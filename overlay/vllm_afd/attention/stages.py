@@ -56,8 +56,8 @@ def stage_sizes(num_tokens_padded: int, num_stages: int) -> list[int]:
 
 
 def stage_counts(stage_rows: Sequence[int], num_dp_ranks: int) -> dict[int, list[int]]:
-    """The payload's counts from each stage's rows (`stage_sizes`, or a vLLM micro-batch slice's): per stage, its rows for every attention DP rank alike (vLLM pads them so,
-    `UBatchRunner._make_forward_contexts`)."""
+    """The payload's counts from each stage's rows (`stage_sizes`, or a vLLM micro-batch slice's): per stage,
+    its rows for every attention DP rank alike (vLLM pads them so, `UBatchRunner._make_forward_contexts`)."""
     num_dp_ranks = _whole("num_dp_ranks", num_dp_ranks, 1)
     if not stage_rows:
         raise ValueError("AFD stages: no stages; a step runs at least one (stages_for_step)")
