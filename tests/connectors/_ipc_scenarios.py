@@ -64,8 +64,9 @@ def eager_then_graphs(role: str, port: int, gate: bool, num_replays: int = 3) ->
                 continue
             connector.publish({0: [num_rows]})
             hidden = make_hidden(0, step, 0, 0, num_rows, torch.bfloat16, device)
-            expected = _reference(hidden.clone(), gate,
-                                  lambda layer, step=step, num_rows=num_rows: make_logits(0, step, layer, num_rows, device))
+            expected = _reference(
+                hidden.clone(), gate,
+                lambda layer, step=step, num_rows=num_rows: make_logits(0, step, layer, num_rows, device))
             for layer in layers:
                 logits = make_logits(0, step, layer, num_rows, device) if gate else None
                 connector.send_a2f(0, hidden, logits)
@@ -169,7 +170,8 @@ def driver_on_this_gpu() -> dict[str, Any]:
         pointer = driver.host_register(block.address, block.nbytes)
         stream = torch.cuda.Stream()
         with torch.cuda.stream(stream):
-            driver.enqueue([Op(WRITE, pointer + 4, value=7), Op(WAIT, pointer, value=1), Op(WRITE, pointer + 8, value=9)],
+            driver.enqueue([Op(WRITE, pointer + 4, value=7), Op(WAIT, pointer, value=1),
+                            Op(WRITE, pointer + 8, value=9)],
                            driver.current_stream())
         time.sleep(0.2)
         before = (block.read(1), block.read(2))  # the write ran; the one behind the wait did not

@@ -11,8 +11,8 @@ import time
 
 import pytest
 from tests.connectors._harness import expect_ok, free_port
-from tests.connectors._scenarios import (exchange, exchange_then_die, garbage_payload, hung_ffn, idle_attention, pingpong,
-                        reforming_pair, step_counts)
+from tests.connectors._scenarios import (exchange, exchange_then_die, garbage_payload, hung_ffn, idle_attention,
+                                         pingpong, reforming_pair, step_counts)
 
 
 def run_exchange(pool, num_attention, num_ffn, *, dtype="bfloat16", num_steps=3, gate=False, num_stages=1,
@@ -131,7 +131,8 @@ def test_hung_ffn_is_a_step_timeout_then_the_stuck_attention_terminates(pool, tm
 def test_idle_attention_goes_down_when_the_store_host_dies(pool, tmp_path):
     port, report = free_port(), tmp_path / "cause.txt"
 
-    ffn, attention = pool.run(idle_attention, [("ffn", 0, port, str(report)), ("attention", 0, port, str(report))], 60.0)
+    ffn, attention = pool.run(idle_attention,
+                              [("ffn", 0, port, str(report)), ("attention", 0, port, str(report))], 60.0)
 
     assert ffn == ("exit", 3)
     assert attention == ("exit", 18)

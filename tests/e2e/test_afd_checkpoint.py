@@ -1,4 +1,5 @@
-"""The handshake knows the model (docs/connection.md#checkpoint-digests): an FFN on other weights of the same shapes is refused.
+"""The handshake knows the model (docs/connection.md#checkpoint-digests): an FFN on other weights of the same
+shapes is refused.
 
 Two tiny Qwen3-MoE checkpoints built from one recipe with different seeds: config.json, tokenizer
 and every tensor shape agree, only the weights differ.  Before checkpoint digests the attention

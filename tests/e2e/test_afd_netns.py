@@ -1,4 +1,5 @@
-"""AFD with the roles on different hosts: each role in its own network namespace (docs/connection.md#roles-on-different-hosts).
+"""AFD with the roles on different hosts: each role in its own network namespace
+(docs/connection.md#roles-on-different-hosts).
 
 Two namespaces joined by a veth pair stand in for two machines (`afd_harness.netns`): the roles'
 loopbacks are separate, so anything that only works on one host (a gloo pair or the rendezvous

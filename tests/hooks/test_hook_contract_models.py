@@ -1,9 +1,9 @@
 """Contract tests of the model seams (`qwen3-moe-*`, `deepseek-v2-*`) on the patched pinned source.
 
 Each seam is a class attribute whose default is what the pinned release built inline. The main
-test substitutes the defaults back into the patched class (`self.gate_cls` -> `ReplicatedLinear` on 0.30, `GateLinear` on 0.32,
-`self.experts_apply_gate` -> `True`, `self_attn_cls` None -> the config's choice) and checks that
-the class is then the pristine one, node for node: with the defaults the seams change nothing.
+test substitutes the defaults back into the patched class (`self.gate_cls` -> `ReplicatedLinear` on 0.30,
+`GateLinear` on 0.32, `self.experts_apply_gate` -> `True`, `self_attn_cls` None -> the config's choice) and
+checks that the class is then the pristine one, node for node: with the defaults the seams change nothing.
 """
 
 from __future__ import annotations

@@ -159,7 +159,8 @@ def test_mrv2_builds_its_micro_batch_runner_and_builders_through_the_runner(pinn
     assert "self.num_ubatches = num_ubatches or self.parallel_config.num_ubatches" in ast.unparse(runner_init)
 
 
-def test_mrv2_micro_batch_contexts_carry_dp_metadata_only_where_set_forward_context_builds_it(pinned_tree: Path) -> None:
+def test_mrv2_micro_batch_contexts_carry_dp_metadata_only_where_set_forward_context_builds_it(
+        pinned_tree: Path) -> None:
     """`mrv2-ubatch-fix-dp1-contexts`: DPMetadata.make asserts DP > 1 or sequence-parallel MoE, so the
     micro-batch contexts build it under set_forward_context's own condition (unchanged at DP > 1)."""
     source = ast.unparse(find_def(parse(pinned_tree, UBATCH), "UBatchRunner._make_forward_contexts"))

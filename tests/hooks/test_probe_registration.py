@@ -57,7 +57,8 @@ def test_forked_child_keeps_one_registration_and_records_its_process(probe, tmp_
         child_count = int(os.read(read_fd, 16).decode())
         os.waitpid(child, 0)
         assert child_count == 1
-        events = [json.loads(line) for path in tmp_path.glob("events-*.jsonl") for line in path.read_text().splitlines()]
+        events = [json.loads(line)
+                  for path in tmp_path.glob("events-*.jsonl") for line in path.read_text().splitlines()]
         assert sorted(e["pid"] for e in events if e["event"] == "process") == sorted([os.getpid(), child])
     finally:
         forward_context_module._forward_context_hooks[:] = before

@@ -151,7 +151,8 @@ def test_rebase_report_on_0_33_finds_the_batch_descriptor_change(run, tmp_path):
     assert [(f["kind"], f["patch"], f["path"]) for f in data["findings"]] == [
         ("seam-context", "forward-context-add-hook-registry.patch", "vllm/forward_context.py"),
         ("ordering", "mrv2-add-num-ubatches.patch", "vllm/v1/worker/gpu/model_runner.py")]
-    assert "under `if num_tokens is not None` (on the pin: under `if cudagraph_runtime_mode" in data["findings"][0]["detail"]
+    assert ("under `if num_tokens is not None` (on the pin: under `if cudagraph_runtime_mode"
+            in data["findings"][0]["detail"])
 
 
 def test_second_pin_builds_both_flavors_at_zero_fuzz(run, tmp_path):

@@ -146,8 +146,10 @@ def test_blank_lines_next_to_a_fence_are_spacing_but_not_elsewhere(run, tmp_path
     spaced = hook_edit(A, 5, "a-add-hook").replace(b"PATCH END: a-add-hook\n", b"PATCH END: a-add-hook\n\n")
     stray = spaced.replace(b"def f8():\n", b"def f8():\n\n")
 
-    ok, out_ok = lint(run, tmp_path / "1", pin, {"a-add-hook.patch": _diff.make_patch(HEADER, [("vllm/a.py", A, spaced)])})
-    bad, out_bad = lint(run, tmp_path / "2", pin, {"a-add-hook.patch": _diff.make_patch(HEADER, [("vllm/a.py", A, stray)])})
+    ok, out_ok = lint(run, tmp_path / "1", pin,
+                      {"a-add-hook.patch": _diff.make_patch(HEADER, [("vllm/a.py", A, spaced)])})
+    bad, out_bad = lint(run, tmp_path / "2", pin,
+                        {"a-add-hook.patch": _diff.make_patch(HEADER, [("vllm/a.py", A, stray)])})
 
     assert ok == 0, out_ok
     assert bad == 4 and "added line outside" in out_bad

@@ -55,7 +55,8 @@ def test_offsets_and_conflicts_are_tabled_per_hunk(run, tmp_path, tree, series, 
 
 def test_content_already_upstream_is_recognised(run, tmp_path, tree, series, pin):
     a = (tree / "vllm" / "a.py").read_bytes().replace(
-        b"def f5():\n    return 5\n", b"def f5():\n    # upstream grew the same hook\n    print( 'hook_5' )\n\n    return 5\n")
+        b"def f5():\n    return 5\n",
+        b"def f5():\n    # upstream grew the same hook\n    print( 'hook_5' )\n\n    return 5\n")
     target = release(tmp_path, {"vllm/a.py": a, "vllm/b.py": (tree / "vllm" / "b.py").read_bytes()})
 
     code, out = run("--rebase-report", target, "--patches", series, "--pin", pin)
@@ -72,7 +73,8 @@ def test_renamed_local_is_caught_by_the_pyflakes_diff(run, tmp_path, pin):
     hooked = RENAMED.replace(b"    c = 4\n", b"    c = 4\n    # ### PATCH START: r-add-hook\n"
                                              b"    print(dp_sync)\n    # ### PATCH END: r-add-hook\n")
     header = HEADER.replace(b"vllm/a.py::f", b"vllm/r.py::f")
-    patches = write_series(tmp_path / "p", {"r-add-hook.patch": _diff.make_patch(header, [("vllm/r.py", RENAMED, hooked)])})
+    patches = write_series(tmp_path / "p",
+                           {"r-add-hook.patch": _diff.make_patch(header, [("vllm/r.py", RENAMED, hooked)])})
     renamed = RENAMED.replace(b"dp_sync", b"dp_sync_state")
     target = release(tmp_path, {"vllm/r.py": renamed})
 

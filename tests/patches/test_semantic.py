@@ -121,8 +121,10 @@ def test_unrelated_caller_edits_are_not_seam_context_findings(run, tmp_path, pin
     assert code == 0 and "- no findings" in out
 
 
-VERSION_LOOKUP = b'import importlib.metadata\n\nfrom helpers import our_version\n\n\ndef version():\n    return importlib.metadata.version("vllm")\n'
-FIXED = (b'import importlib.metadata\n\nfrom helpers import our_version\n\n\ndef version():\n    # ### PATCH START: cli-fix-version\n'
+VERSION_LOOKUP = (b'import importlib.metadata\n\nfrom helpers import our_version\n\n\n'
+                  b'def version():\n    return importlib.metadata.version("vllm")\n')
+FIXED = (b'import importlib.metadata\n\nfrom helpers import our_version\n\n\n'
+         b'def version():\n    # ### PATCH START: cli-fix-version\n'
          b'    return our_version()\n    # ### PATCH END: cli-fix-version\n')
 
 

@@ -35,7 +35,8 @@ HIDDEN = 64
 
 
 def hidden_for(rank: int, step: int, layer: int, num_rows: int) -> torch.Tensor:
-    return (torch.arange(num_rows * HIDDEN, dtype=torch.float32) + 100 * rank + 10 * step + layer).reshape(num_rows, HIDDEN)
+    base = torch.arange(num_rows * HIDDEN, dtype=torch.float32)
+    return (base + 100 * rank + 10 * step + layer).reshape(num_rows, HIDDEN)
 
 
 class ExchangeMachine(RuleBasedStateMachine):

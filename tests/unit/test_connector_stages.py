@@ -13,7 +13,8 @@ import time
 import pytest
 import torch
 
-from tests.connectors._harness import QueueTransport, free_port, init_all, make_connector, make_placement, make_spec, new_wire
+from tests.connectors._harness import (QueueTransport, free_port, init_all, make_connector, make_placement, make_spec,
+                                       new_wire)
 
 from vllm_afd.wire.errors import AFDProtocolError
 

@@ -28,7 +28,8 @@ def dp_vote(monkeypatch, ranks: list[dict], num_stages: int, min_tokens_per_stag
     (eager: CPU), the all-reduce simulated in two passes (collect each rank's contribution, then the sum)."""
     from vllm.v1.worker import dp_utils
 
-    monkeypatch.setattr(dp_utils, "get_dp_group", lambda: SimpleNamespace(device="cpu", device_group=None, cpu_group=None))
+    monkeypatch.setattr(dp_utils, "get_dp_group",
+                        lambda: SimpleNamespace(device="cpu", device_group=None, cpu_group=None))
     contributions: list = []
     reduce = {"op": lambda tensor: contributions.append(tensor.clone())}
     monkeypatch.setattr(dp_utils, "dist", SimpleNamespace(all_reduce=lambda tensor, group=None: reduce["op"](tensor)))

@@ -63,8 +63,8 @@ def test_a_stage_variant_runs_both_roles_with_its_stage_count_and_is_compared_wi
         for role in ("ffn", "attention"):
             spec = specs[f"{prefix}_{role}"]
             afd = json.loads(after(spec.args, "--additional-config"))["afd"]
-            assert (afd["num_stages"], afd["min_tokens_per_stage"], afd["connector"], "--enforce-eager" in spec.args) == (
-                stages, 1, "P2pIpcAFDConnector", not graphs)
+            assert (afd["num_stages"], afd["min_tokens_per_stage"], afd["connector"],
+                    "--enforce-eager" in spec.args) == (stages, 1, "P2pIpcAFDConnector", not graphs)
     assert "num_stages" not in json.loads(serving.afd_config_json("ffn", 1, 10.0))["afd"]
     assert serving.STAGE_TWINS["afd_ipc_graphs_s3"] == "afd_ipc_graphs"
     assert tuple(serving.STAGE_TWINS) == e2e_report.STAGE_VARIANTS == gpu_e2e.STAGE_VARIANTS
@@ -74,7 +74,8 @@ def test_a_stage_variant_runs_both_roles_with_its_stage_count_and_is_compared_wi
 
 
 def test_afd_variants_need_their_ports_and_ipc_needs_cuda():
-    with pytest.raises(ValueError, match=r"AFD variants \['afd_eager', 'afd_ipc_eager'\] need one rendezvous port each"):
+    with pytest.raises(ValueError,
+                       match=r"AFD variants \['afd_eager', 'afd_ipc_eager'\] need one rendezvous port each"):
         serving.server_specs(["plain_eager", "afd_eager", "afd_ipc_eager"], serving.ServeSettings(), afd_port=1)
     with pytest.raises(ValueError, match=r"\['afd_ipc_eager'\] needs CUDA; drop it on CPU"):
         serving.server_specs(["afd_ipc_eager"], serving.ServeSettings(platform="cpu"), afd_port=1)
@@ -112,7 +113,8 @@ def test_the_ipc_block_shows_the_asked_ratios_and_serving_over_the_floor():
         "serving_per_layer_ms_by_variant": ipc_report.per_layer_by_variant(VARIANTS, [1], 3)}}}
     floor = {"status": "ok", "layers": 8, "rows": [{
         "rows": 1, "hidden": 128, "raw_graph_ms": {"p50": 0.5}, "raw_eager_ms": {"p50": 0.625},
-        "connector_eager_ms": {"p50": 0.75}, "device_flags_graph_ms": {"p50": 0.45}, "connector_eager_over_floor_p50": 1.5}]}
+        "connector_eager_ms": {"p50": 0.75}, "device_flags_graph_ms": {"p50": 0.45},
+        "connector_eager_over_floor_p50": 1.5}]}
     summary = {"phases": {"bench": bench, "ipcfloor": floor}}
 
     text = ipc_report.render_markdown(summary)

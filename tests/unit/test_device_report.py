@@ -9,7 +9,8 @@ import e2e_report as report
 
 JUNIT = """<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="pytest" tests="4">
 <testcase classname="tests.connectors.test_connectors_cuda" name="test_gloo_stages" time="3.1"/>
-<testcase classname="tests.connectors.test_connectors_cuda" name="test_nccl_refuses"><failure message="x">tb</failure></testcase>
+<testcase classname="tests.connectors.test_connectors_cuda"
+          name="test_nccl_refuses"><failure message="x">tb</failure></testcase>
 <testcase classname="tests.unit.test_cuda_path" name="test_key"><skipped message="cpu only"/></testcase>
 <testcase classname="tests.unit.test_cuda_path" name="test_modes"><error message="setup">tb</error></testcase>
 </testsuite></testsuites>"""

@@ -366,7 +366,8 @@ def test_run_skeleton_records_a_failed_phase_and_keeps_outputs_within_device_lim
     """A patch phase on a directory without vllm/ fails; summary, report and log archive still come back."""
     out = tmp_path / "out"
     code = gpu_e2e.main(["--out", str(out), "--phases", "patch", "--platform", "cpu", "--work", str(tmp_path / "w"),
-                         "--afd-site", str(tmp_path / "site"), "--vllm-site", str(tmp_path / "vs"), "--budget-s", "120"])
+                         "--afd-site", str(tmp_path / "site"), "--vllm-site", str(tmp_path / "vs"),
+                         "--budget-s", "120"])
 
     summary = json.loads((out / "summary.json").read_text())
     assert code == 1 and summary["phases"]["patch"]["status"] == "failed"
@@ -457,7 +458,8 @@ def test_server_specs_give_each_afd_variant_its_own_timeline_dir():
 
 def test_the_report_has_a_row_per_prompt_length_and_the_timeline_tables():
     rate = {"tok_s": 100.0, "tpot_ms": 10.0}
-    by_len = {"512": {"batches": [1], "variants": {"plain_graphs": {"1": rate}, "afd_ipc_graphs": {"1": {**rate, "tok_s": 80.0}}},
+    by_len = {"512": {"batches": [1],
+                      "variants": {"plain_graphs": {"1": rate}, "afd_ipc_graphs": {"1": {**rate, "tok_s": 80.0}}},
                       "serving_per_layer_ms_by_variant": {"afd_ipc_graphs": {"1": 0.5}}}}
     summary = {"phases": {"bench": {"status": "ok", "models": {"qwen3_30b_a3b_4l": {
         "batches": [1], "variants": by_len["512"]["variants"], "by_prompt_len": by_len}}}},

@@ -157,7 +157,8 @@ class IpcProtocolMachine(RuleBasedStateMachine):
                 assert all(self.checked[("attention", p)] == self.checked[("ffn", p)] == self.enqueued[0]
                            for p in PEERS), (self.checked, self.enqueued)
                 flags = self.transports[0]._flags
-                assert all(flags.read(i) == EMPTY for i in range(0, 6 * self.NUM_STAGES * 16, 16)), "a step must end with flags EMPTY"
+                assert all(flags.read(i) == EMPTY
+                           for i in range(0, 6 * self.NUM_STAGES * 16, 16)), "a step must end with flags EMPTY"
             else:
                 for transport in self.transports:  # every watchdog fires in the end
                     transport.abort()

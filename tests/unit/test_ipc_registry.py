@@ -1,5 +1,6 @@
 """P2pIpcAFDConnector in the vLLM-facing wiring: the registry entry, the slot size from vLLM's config, the
-CUDA-only refusals (docs/config.md#choosing-a-connector, docs/decisions.md#23-transport-factories-take-the-connectorspec and #24-the-ipc-transport-keeps-the-control-channel-on-gloo)."""
+CUDA-only refusals (docs/config.md#choosing-a-connector, docs/decisions.md#23-transport-factories-take-the-connectorspec
+and #24-the-ipc-transport-keeps-the-control-channel-on-gloo)."""
 
 from __future__ import annotations
 

@@ -118,7 +118,8 @@ def test_the_real_driver_names_a_missing_libcuda():
     ({"ffn": {"problem": "no V2 memops"}}, "AFD rank 0 cannot use CUDA stream memory operations (no V2 memops)"),
     ({"attention": {"host": "elsewhere"}}, "CUDA IPC does not cross hosts. Use P2pNcclAFDConnector"),
     ({"attention": {"peer_problem": "GPU 0 has no peer access to GPU 1"}},
-     "AFD rank 1 cannot write into AFD rank 0's GPU memory: GPU 0 has no peer access to GPU 1. Use P2pNcclAFDConnector"),
+     "AFD rank 1 cannot write into AFD rank 0's GPU memory: GPU 0 has no peer access to GPU 1. "
+     "Use P2pNcclAFDConnector"),
 ])
 def test_open_refuses_on_every_rank_before_taking_anything(drivers, message):
     sim = SimDevice()

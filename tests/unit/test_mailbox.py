@@ -168,7 +168,8 @@ def test_attention_ranks_beyond_f_open_nothing():
 def test_the_connector_publishes_and_adopts_through_the_mailbox():
     """AFDConnector's control framing (int64 length, then the body) over the mailbox, data in memory."""
 
-    from tests.connectors._harness import QueueTransport, free_port, init_all, make_connector, make_placement, make_spec, new_wire
+    from tests.connectors._harness import (QueueTransport, free_port, init_all, make_connector, make_placement,
+                                           make_spec, new_wire)
 
     class MailboxControl(QueueTransport):
         def __init__(self, wire):

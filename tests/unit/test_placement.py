@@ -96,7 +96,8 @@ def test_every_rank_is_a_member_of_its_own_subgroup_and_peers_exclude_it(placeme
 def test_channels_are_created_in_one_order_with_control_last(placement):
     channels = placement.channels()
 
-    assert [name for name, _, _, _ in channels] == [A2F, F2A] + ([CONTROL] if placement.control_rank is not None else [])
+    control = [CONTROL] if placement.control_rank is not None else []
+    assert [name for name, _, _, _ in channels] == [A2F, F2A] + control
     for name, prefix, group_rank, group_size in channels:
         assert 0 <= group_rank < group_size
         if name == CONTROL:
