@@ -73,7 +73,8 @@ HELP = {
     "afd_layer_loop_seconds": "Attention: first layer's send to the last layer's output received.",
     "afd_exposed_transport_share": "Attention: exposed transport over layer-loop time, last steps.",
     "afd_peer_up": "1 while the connector is connected and has no failure, else 0.",
-    "afd_peer_lost": "1 while the connector holds a failure (lost peer, timeout, transport error), until it pairs again.",
+    "afd_peer_lost": ("1 while the connector holds a failure (lost peer, timeout, transport error), "
+                      "until it pairs again."),
     "afd_rendezvous_seconds": "Rendezvous, handshake and channel set-up of this rank's latest pairing.",
     "afd_reformations": "Times this rank paired again after losing its peers (FFN, reform_timeout_s).",
 }

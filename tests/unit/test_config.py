@@ -256,7 +256,8 @@ def test_config_is_frozen_and_its_extra_config_immutable_and_copied():
 def test_config_pickles_copies_and_hashes():
     config = AFDConfig.from_mapping({"role": "ffn", "num_attention_ranks": 4, "num_ffn_ranks": 2})
 
-    assert all(pickle.loads(pickle.dumps(config, protocol)) == config for protocol in range(pickle.HIGHEST_PROTOCOL + 1))
+    assert all(pickle.loads(pickle.dumps(config, protocol)) == config
+               for protocol in range(pickle.HIGHEST_PROTOCOL + 1))
     assert copy.deepcopy(config) == config
     assert hash(config) == hash(AFDConfig.from_mapping(config.to_mapping()))
     assert config.num_role_ranks == 2

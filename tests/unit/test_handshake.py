@@ -131,7 +131,8 @@ def test_a_differing_global_field_fails_on_both_sides(name):
         changed["layer_kinds"] = "DMM"
     ffn = dataclasses.replace(ffn, **changed)
 
-    for local, peer, local_role, peer_role in ((attention, ffn, "attention", "ffn"), (ffn, attention, "ffn", "attention")):
+    for local, peer, local_role, peer_role in ((attention, ffn, "attention", "ffn"),
+                                               (ffn, attention, "ffn", "attention")):
         with pytest.raises(AFDConfigMismatchError) as info:
             compare_fingerprints(local, [peer])
         local_value, peer_value = getattr(local, name), getattr(peer, name)

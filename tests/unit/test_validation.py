@@ -73,7 +73,8 @@ def test_a_valid_cpu_config_passes(model_dir):
 
 @pytest.mark.parametrize("afd, engine_args, message", [
     ({"connector": "P2pNcclAFDConnector"}, {}, "P2pNcclAFDConnector requires CUDA devices"),
-    ({"connector": "P2pIpcAFDConnector"}, {}, "P2pIpcAFDConnector requires CUDA devices; use P2pGlooAFDConnector on CPU"),
+    ({"connector": "P2pIpcAFDConnector"}, {},
+     "P2pIpcAFDConnector requires CUDA devices; use P2pGlooAFDConnector on CPU"),
     ({"num_attention_ranks": 2}, {},
      r"num_attention_ranks \(2\) must equal attention DP x TP \(1 x 1\)"),
     ({"role": "ffn", "num_attention_ranks": 2, "num_ffn_ranks": 2}, {},

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import datetime
 import errno
+import functools
 import logging
 import socket
 import time
@@ -221,7 +222,7 @@ class Rendezvous:
         """``"ffn [1], attention [2 3]"``: the ranks whose claim is not in the store yet."""
         missing: dict[str, list[int]] = {role: [] for role in ("ffn", "attention")}
         for role, rank in self.spec.all_ranks():
-            if not self._store_call(lambda: self.store.check([rank_key("claim", role, rank)])):
+            if not self._store_call(functools.partial(self.store.check, [rank_key("claim", role, rank)])):
                 missing[role].append(rank)
         return _format_ranks(missing, skip_empty=True) or "the last ranks' fingerprints"
 
