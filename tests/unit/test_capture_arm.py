@@ -1,5 +1,6 @@
 """attention/capture.py:CaptureArm: graph warm-up and capture forwards and micro-batch stages get a sidecar
-of their stage, KV side contexts none (docs/decisions.md, item 22; docs/attention.md#forward-context-sidecar).
+of their stage, KV side contexts none (docs/decisions.md#22-capture-forwards-get-their-sidecar-from-an-arm;
+docs/attention.md#forward-context-sidecar).
 
 Model Runner V2 builds the context of a FULL warm-up or recorded forward, and each micro-batch's, without a
 batch descriptor, like the KV connector's side contexts; the capture hook arms the one context that follows
