@@ -9,7 +9,9 @@ between the two models.  The plain tokens come from the session's one plain serv
 
 from __future__ import annotations
 
+import os
 import re
+import signal
 import threading
 import time
 
@@ -87,11 +89,8 @@ def test_afd_tokens_equal_plain_vllm(plain, deployment):
 def test_the_timeline_has_every_crossing_layer_of_both_roles(deployment):
     """timeline_dir on both roles: one record per step and rank, joined by the report (docs/timeline.md)."""
     import json
-    import sys
-    from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).parents[2] / "scripts"))
-    import timeline_report
+    import timeline_report  # scripts/timeline_report.py (the afd-scripts distribution)
 
     complete(deployment.attention.base_url, PROMPTS[0], 4)
     directory = deployment.log_dir / "timeline"
@@ -189,7 +188,8 @@ def test_two_attention_ranks_share_one_ffn(tiny_model_dir, vllm_python, tmp_path
             # same tokens. No FFN restart.
             ffn_pid = afd.ffn.process.pid
             afd.attention.kill()
-            assert wait_for(lambda: scrape(afd.ffn.base_url).get(("afd_peer_up", "ffn")) == 0.0), scrape(afd.ffn.base_url)
+            assert wait_for(lambda: scrape(afd.ffn.base_url).get(("afd_peer_up", "ffn")) == 0.0), \
+                scrape(afd.ffn.base_url)
             afd.attention.start()
             after_restart = [g.token_ids for g in complete_batch(afd.attention.base_url, PROMPTS, MAX_TOKENS)]
             assert afd.ffn.process.pid == ffn_pid and afd.ffn.process.poll() is None
@@ -203,12 +203,57 @@ def test_two_attention_ranks_share_one_ffn(tiny_model_dir, vllm_python, tmp_path
             print(f"re-formation: attention restart to healthy {afd.attention.startup_s:.1f} s, FFN lost to paired "
                   f"{float(paired.group(1)):.1f} s")
             assert after_restart == plain_outputs_qwen
+            frozen_ffn_mid_stream(afd, plain_outputs_qwen, step_timeout_s=30.0, peer_timeout_s=5.0)
 
     assert [g.token_ids for g in batched] == plain_outputs_qwen
     assert one_by_one == plain_outputs_qwen
     if num_stages > 1:
         log = afd.attention.log_path.read_text()
         assert f"running steps as {num_stages} micro-batch stages" in log, afd.attention.log_tail()
+
+
+def frozen_ffn_mid_stream(afd: AFDDeployment, plain_tokens: list, *, step_timeout_s: float,
+                          peer_timeout_s: float) -> None:
+    """The FFN server frozen mid-stream (SIGSTOP: alive, not heartbeating, its TCP connections open): every
+    attention TP rank reports it within peer_timeout_s + 5 s, both ranks leave the step together (the step
+    gate), the clients' streams end within step_timeout_s + 15 s, and once the FFN runs again both roles pair
+    again by themselves and serve plain tokens (docs/failures.md#14-a-failure-seen-by-one-tensor-parallel-rank)."""
+    base_url, model = afd.attention.base_url, afd.model
+    results: list = [None] * 2
+    streams = [threading.Thread(target=stream_until_error, args=(base_url, str(model), results, i), daemon=True)
+               for i in range(2)]
+    for thread in streams:
+        thread.start()
+    time.sleep(1.0)  # decoding now
+    offset = len(afd.attention.log_path.read_text())
+    frozen_at = time.monotonic()
+    os.killpg(afd.ffn.process.pid, signal.SIGSTOP)
+    try:
+        def reported() -> bool:
+            log = afd.attention.log_path.read_text()[offset:]
+            return all(f"has not answered attention rank {rank}'s heartbeat" in log for rank in (0, 1))
+
+        assert wait_for(reported, timeout_s=60.0), afd.attention.log_tail()
+        reported_s = time.monotonic() - frozen_at
+        for thread in streams:
+            thread.join(step_timeout_s + 60.0)
+        ended_s = max(result[1] for result in results) - frozen_at
+    finally:
+        os.killpg(afd.ffn.process.pid, signal.SIGCONT)
+    thawed_at = time.monotonic()
+    assert wait_for(lambda: requests.post(
+        f"{base_url}/v1/completions", timeout=30,
+        json={"model": str(model), "prompt": PROMPTS[0], "max_tokens": 1}).status_code == 200, timeout_s=120.0), \
+        afd.attention.log_tail()
+    serving_again_s = time.monotonic() - thawed_at
+    after_thaw = [g.token_ids for g in complete_batch(base_url, PROMPTS, MAX_TOKENS)]
+    print(f"frozen FFN: reported by both TP ranks after {reported_s:.1f} s, streams ended after {ended_s:.1f} s, "
+          f"serving again {serving_again_s:.1f} s after SIGCONT")
+
+    assert reported_s < peer_timeout_s + 5.0
+    assert all(result is not None and result[0] in ("error", "aborted", "cut") for result in results), results
+    assert ended_s < step_timeout_s + 15.0
+    assert after_thaw == plain_tokens
 
 
 @pytest.fixture(scope="module")
@@ -308,7 +353,8 @@ def test_ffn_killed_mid_stream_then_restarted_under_the_same_attention(deploymen
     finally:
         afd.stop()
 
-    for role, counted in (("attention", "afd_layer_round_trip_seconds_count"), ("ffn", "afd_ffn_compute_seconds_count")):
+    for role, counted in (("attention", "afd_layer_round_trip_seconds_count"),
+                          ("ffn", "afd_ffn_compute_seconds_count")):
         before, after = first[role], second[role]
         assert {key[1] for key in after if key != "vllm_metrics"} == {role} and after["vllm_metrics"] == 1.0
         assert after[("afd_steps_total", role)] > before[("afd_steps_total", role)] > 0

@@ -334,3 +334,23 @@ def test_mark_startup_done_arms_step_timeouts_on_both_sides(deploy):
     while not (ffn._watchdog.armed and attention._watchdog.armed):
         assert time.monotonic() < deadline
         time.sleep(0.02)
+
+
+def test_the_step_gate_takes_a_deferred_failure_once_and_a_pairing_that_is_not_ready_always():
+    wire, port = new_wire(), free_port()
+    ffn = make_connector(make_spec(port), make_placement("ffn", 0, 1, 1), transport=QueueTransport(wire))
+    attention = make_connector(make_spec(port), make_placement("attention", 0, 1, 1), transport=QueueTransport(wire))
+    init_all([ffn, attention])
+    try:
+        assert attention.take_step_failure() is None
+        attention.defer_failure(AFDPeerLostError("first"))
+        attention.defer_failure(AFDPeerLostError("second"))
+
+        assert str(attention.take_step_failure()) == "first"  # the step's first failure, once
+        assert attention.take_step_failure() is None
+    finally:
+        ffn.close()
+        attention.close()
+
+    failure = attention.take_step_failure()  # not paired (closed here; a background re-formation alike)
+    assert isinstance(failure, AFDPeerLostError) and "cannot run" in str(failure)

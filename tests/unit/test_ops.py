@@ -22,6 +22,7 @@ from vllm_afd.config import parse_afd_config  # noqa: E402
 from vllm_afd.connect import build_connector  # noqa: E402
 from vllm_afd.models import proxy  # noqa: E402
 from vllm_afd.models.proxy import SIDECAR_KEY, ForwardSidecar, remote_ffn  # noqa: E402
+from vllm_afd.wire.errors import AFDPeerLostError  # noqa: E402
 
 
 class RecordingConnector:
@@ -64,9 +65,11 @@ def registered():
         proxy.unregister_connector(handle)
 
 
-def forward_context(vllm_config, handle, *, stage=0, published=False, is_profile=False, dp_metadata=None):
+def forward_context(vllm_config, handle, *, stage=0, published=False, is_profile=False, dp_metadata=None,
+                    defer_failures=False):
     context = create_forward_context(None, vllm_config, dp_metadata=dp_metadata)
-    context.additional_kwargs[SIDECAR_KEY] = ForwardSidecar(handle, stage, published, is_profile)
+    context.additional_kwargs[SIDECAR_KEY] = ForwardSidecar(handle, stage, published, is_profile,
+                                                            defer_failures=defer_failures)
     return context
 
 
@@ -179,6 +182,56 @@ def test_a_result_in_another_tensor_is_copied_into_out(vllm_config, registered):
         result = remote_ffn(hidden, None, 0)
 
     assert result is hidden and result.dtype == torch.float32 and torch.equal(result, torch.ones(2, 128))
+
+
+class FailedConnector(RecordingConnector):
+    """A connector whose failure latch is set: every exchange raises the sticky failure."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.deferred: list[BaseException] = []
+
+    def publish(self, *args, **kwargs):
+        raise AFDPeerLostError("AFD peer lost: ffn rank 0 silent for 5.0s (peer_timeout_s=5)")
+
+    send_a2f = recv_f2a = publish
+
+    def defer_failure(self, exc):
+        self.deferred.append(exc)
+
+
+def test_inside_a_step_a_failed_exchange_fills_zeros_and_leaves_the_raise_to_the_step_gate(vllm_config, registered):
+    """Regression: one TP rank raising mid-step left its peer in vLLM's all-reduce for good; inside a step the
+    ops finish the forward (zeros) so every rank reaches the step gate (attention/step_gate.py)."""
+    baton, connector = RecordingBaton(), FailedConnector()
+    handle = registered(connector)
+    hidden = torch.full((3, 128), 5.0)
+
+    context = forward_context(vllm_config, handle, defer_failures=True)
+    context.additional_kwargs[SIDECAR_KEY].baton = baton
+    with override_forward_context(context):
+        result = remote_ffn(hidden, None, 0)
+
+    assert result is hidden and torch.equal(result, torch.zeros(3, 128))
+    assert baton.yields == 1  # the stage order is kept: the next stage still runs
+    assert [str(exc) for exc in connector.deferred] == [
+        "AFD peer lost: ffn rank 0 silent for 5.0s (peer_timeout_s=5)"] * 2  # the send's, then the receive's
+
+
+def test_outside_a_step_a_failed_exchange_raises(vllm_config, registered):
+    handle = registered(FailedConnector())
+
+    with override_forward_context(forward_context(vllm_config, handle)):
+        with pytest.raises(AFDPeerLostError, match="silent for 5.0s"):
+            remote_ffn(torch.zeros(3, 128), None, 0)
+
+
+class RecordingBaton:
+    def __init__(self) -> None:
+        self.yields = 0
+
+    def yield_stage(self) -> None:
+        self.yields += 1
 
 
 def test_compiled_callers_run_the_ops_at_every_call(vllm_config, registered):

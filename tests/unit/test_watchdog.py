@@ -8,6 +8,7 @@ process, so stopping one is exactly what a dead peer looks like from the store.
 from __future__ import annotations
 
 import datetime
+import re
 import threading
 import time
 
@@ -228,9 +229,11 @@ def test_step_timeout_is_armed_only_after_startup_done(store):
     wait_for(lambda: latch.failure is not None, 3.0)
 
     assert isinstance(latch.failure, AFDStepTimeoutError)
-    assert str(latch.failure) == (
-        "AFD step 7 did not complete within step_timeout_s=0.3 (ffn peer rank 0): attention rank 0 is between "
-        "exchanges (computing, or a payload went missing). Check that rank's log; lower step_timeout_s to "
+    message = re.sub(r"open for [0-9.]+s", "open for Ns", str(latch.failure))
+    assert message == (
+        "AFD step 7 (open for Ns) did not complete within step_timeout_s=0.3 (ffn peer rank 0): attention rank 0 "
+        "is between exchanges: computing, stuck outside AFD (a tensor-parallel collective waiting for another "
+        "rank of its server), or a payload went missing. Check that rank's log; lower step_timeout_s to "
         "surface a stall sooner")
     attention.stop()
 
@@ -269,3 +272,82 @@ def test_step_timeouts_wait_for_every_attention_ranks_startup(store):
     attention.stop()
 
     assert not armed_early and latch.failure is None
+
+
+class StuckStore(RecordingStore):
+    """A store whose calls block, once ``freeze`` is set, until ``thaw`` is (a stopped store host)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.frozen = threading.Event()
+        self.thawed = threading.Event()
+
+    def add(self, key: str, amount: int) -> int:
+        if self.frozen.is_set():
+            self.thawed.wait()
+        return super().add(key, amount)
+
+
+def test_a_store_that_stops_answering_is_a_lost_peer_in_time_and_steps_still_time_out():
+    """Regression: the watchdog judged only between store calls, so a store call that did not return (a
+    stopped FFN rank 0, a starved store host) silenced its step timeouts and peer checks for minutes."""
+    store = StuckStore()
+    store.values[STARTUP_DONE_KEY] = 1
+    latch = FailureLatch(lambda: None, None)
+    spec = WatchdogSpec(place("attention", 0), peer_timeout_s=1.0, step_timeout_s=30.0, address="h:1")
+    watchdog = Watchdog(store, spec, latch)
+    peer_beat = threading.Event()
+
+    def ffn_beats() -> None:  # the FFN's heartbeat while the store answers
+        while not peer_beat.wait(0.1):
+            store.add(rank_key("heartbeat", "ffn", 0), 1)
+
+    threading.Thread(target=ffn_beats, daemon=True).start()
+    watchdog.start()
+    wait_for(lambda: watchdog.armed, 3.0)
+    time.sleep(1.5)
+    assert latch.failure is None
+    store.frozen.set()
+    frozen_at = time.monotonic()
+    elapsed = wait_for(lambda: latch.failure is not None, 5.0)
+    peer_beat.set()
+    store.thawed.set()
+    watchdog.stop()
+
+    assert 0.9 <= elapsed <= 1.0 + 2 * watchdog.interval_s + 0.5, elapsed
+    assert isinstance(latch.failure, AFDPeerLostError)
+    assert str(latch.failure).startswith(
+        "AFD peer lost: the rendezvous store at h:1 (hosted by ffn rank 0) has not answered attention rank 0's "
+        "heartbeat for ")
+    assert time.monotonic() - frozen_at < 5.0
+
+
+def test_a_stuck_step_is_reported_on_time_while_the_store_is_stuck():
+    store = StuckStore()
+    store.values[STARTUP_DONE_KEY] = 2
+    latch = FailureLatch(lambda: None, None)
+    spec = WatchdogSpec(place("ffn", 0, 2, 1), peer_timeout_s=60.0, step_timeout_s=0.5, address="h:1")
+    watchdog = Watchdog(store, spec, latch)
+    watchdog.start()
+    wait_for(lambda: watchdog.armed, 3.0)
+    store.frozen.set()  # from now on no store call returns: the judgement must not need one
+
+    watchdog.step_opened(3)
+    time.sleep(0.2)
+    watchdog.transfer_started("a2f receive from attention rank 1")
+    started = time.monotonic()
+    elapsed = wait_for(lambda: latch.failure is not None, 5.0)
+    store.thawed.set()
+    watchdog.stop()
+
+    assert elapsed <= 0.5 + 2 * watchdog.interval_s + 0.2, elapsed
+    message = str(latch.failure)
+    assert isinstance(latch.failure, AFDStepTimeoutError)
+    assert message.startswith("AFD step 3 (open for ")
+    assert "(attention peer ranks [0 1]): ffn rank 0 has waited " in message
+    # The numbers are right: the transfer waited about as long as the test saw, the step a little longer.
+    waited = float(re.search(r"has waited ([0-9.]+)s", message).group(1))
+    opened = float(re.search(r"open for ([0-9.]+)s", message).group(1))
+    assert abs(waited - (time.monotonic() - started)) < 0.5
+    assert opened >= waited + 0.15
+    assert "in 'a2f receive from attention rank 1'" in message

@@ -128,5 +128,5 @@ class AFDCPUAttentionModelRunner(AFDAttentionRunnerMixin, CPUModelRunner):
             dp_metadata=dp_metadata)
         # NOTE: this context is ours; its rows were published for every stage at once.
         context.additional_kwargs[SIDECAR_KEY] = ForwardSidecar(self._afd_handle, stage=stage, published=True,
-                                                                baton=baton)
+                                                                baton=baton, defer_failures=True)
         return context

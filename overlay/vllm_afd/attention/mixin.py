@@ -14,9 +14,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from vllm.distributed import get_tp_group
 from vllm.forward_context import ForwardContext, register_forward_context_hook
 
 from vllm_afd.attention.healing import AttentionHealer
+from vllm_afd.attention.step_gate import make_step_gate
 from vllm_afd.config import AFDConfig
 from vllm_afd.connect import build_connector
 from vllm_afd.metrics import metrics_dir
@@ -49,6 +51,7 @@ class AFDAttentionRunnerMixin:
         self._afd_unhook: Any = None
         self._afd_handle: int | None = None
         self._afd_in_profile = False
+        self._afd_in_step = False  # inside execute_model: AFD ops defer a failure to the step gate
         self._afd_telemetry: Telemetry | None = None
         self._afd_healer: AttentionHealer | None = None
         self.afd_connector = build_connector(vllm_config, afd_config, placement, self.device,
@@ -58,6 +61,8 @@ class AFDAttentionRunnerMixin:
                 self._afd_healer = AttentionHealer(self.afd_connector, afd_config.reform_timeout_s, metrics_dir())
             self._afd_telemetry = Telemetry(afd_config, placement, self.afd_connector)
             self._afd_handle = register_connector(self.afd_connector)
+            tp_group = get_tp_group()
+            self._afd_step_gate = make_step_gate(self.afd_connector, tp_group.world_size, tp_group.cpu_group)
             self._afd_unhook = register_forward_context_hook(self._install_afd_sidecar)
         except BaseException:
             self._afd_teardown()
@@ -112,19 +117,21 @@ class AFDAttentionRunnerMixin:
 
     # ---- check points ---------------------------------------------------------------
     def execute_model(self, *args: Any, **kwargs: Any) -> Any:
-        self.afd_connector.check_failed()
-        output = super().execute_model(*args, **kwargs)
-        self.afd_connector.check_failed()
+        # NOTE: a failure is raised only through the gate, at both ends of the step, on every TP rank at once
+        # (attention/step_gate.py); inside the step a failed transfer fills zeros (models/proxy.py).
+        self._afd_step_gate.check()
+        self._afd_in_step = True
+        try:
+            output = super().execute_model(*args, **kwargs)
+        finally:
+            self._afd_in_step = False
+            self._afd_step_gate.check()
         self._afd_telemetry.after_step()
         return output
 
     def afd_mark_startup_done(self) -> None:
         """Arm the step timeouts: profile, warm-up and graph capture are over."""
         self.afd_connector.mark_startup_done()
-
-    def sample_tokens(self, *args: Any, **kwargs: Any) -> Any:
-        self.afd_connector.check_failed()
-        return super().sample_tokens(*args, **kwargs)
 
     # ---- forward-context sidecar ------------------------------------------------------
     def _afd_context_stage(self, context: ForwardContext) -> int | None:
@@ -139,4 +146,4 @@ class AFDAttentionRunnerMixin:
         if stage is not None:
             context.additional_kwargs[SIDECAR_KEY] = ForwardSidecar(
                 self._afd_handle, stage=stage, published=self.afd_publishes_per_step, is_profile=self._afd_in_profile,
-                baton=self.afd_stage_baton)
+                baton=self.afd_stage_baton, defer_failures=self._afd_in_step)

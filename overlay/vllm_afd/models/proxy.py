@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from vllm_afd.wire.connector import AFDConnector
+from vllm_afd.wire.errors import AFDError
 
 __all__ = [
     "SIDECAR_KEY",
@@ -58,6 +59,10 @@ class ForwardSidecar:
     # baton (attention/ubatch.py) or vLLM's micro-batch handoff (attention/cuda_stages.py, a no-op
     # outside a split step). None when the forward never runs as one of several stages.
     baton: Any = None
+    # Inside a step (execute_model): a failed exchange fills zeros instead of raising, and the step gate
+    # raises at the step's end on every tensor-parallel rank (attention/step_gate.py). Elsewhere (profile,
+    # warm-up, capture) the op raises.
+    defer_failures: bool = False
 
 
 # ---- the proxies -----------------------------------------------------------------------------------
@@ -200,9 +205,14 @@ def _publish_lazily(connector: AFDConnector, context: Any, sidecar: ForwardSidec
 
 def _afd_send_impl(hidden: torch.Tensor, router_logits: Optional[torch.Tensor], layer_idx: int) -> None:
     context, sidecar, connector = _forward_state()
-    if not sidecar.published:
-        _publish_lazily(connector, context, sidecar, hidden)
-    connector.send_a2f(sidecar.stage, hidden, router_logits)
+    try:
+        if not sidecar.published:
+            _publish_lazily(connector, context, sidecar, hidden)
+        connector.send_a2f(sidecar.stage, hidden, router_logits)
+    except AFDError as exc:
+        if not sidecar.defer_failures:
+            raise
+        connector.defer_failure(exc)
     if sidecar.baton is not None:
         sidecar.baton.yield_stage()  # the next stage computes while this one's rows travel
 
@@ -213,7 +223,14 @@ def _afd_send_fake(hidden: torch.Tensor, router_logits: Optional[torch.Tensor], 
 
 def _afd_recv_impl(out: torch.Tensor, layer_idx: int) -> None:
     _, sidecar, connector = _forward_state()
-    result = connector.recv_f2a(sidecar.stage, out)
+    try:
+        result = connector.recv_f2a(sidecar.stage, out)
+    except AFDError as exc:
+        if not sidecar.defer_failures:
+            raise
+        connector.defer_failure(exc)
+        out.zero_()  # NOTE: the step gate raises at the step's end; these rows are never used
+        return
     if result is not out:
         out.copy_(result)
 

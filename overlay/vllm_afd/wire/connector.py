@@ -57,6 +57,9 @@ __all__ = ["AFDConnector", "ConnectorSpec"]
 
 # A control body longer than this is garbage, not a payload (a real one is well under 1 KiB per stage).
 MAX_CONTROL_BYTES = 1 << 20
+# A data transfer's native bound once steps are timed: step_timeout_s plus this (the watchdog reports the
+# late step first, with the ranks' names; the bound then releases the blocked wait).
+TRANSFER_TIMEOUT_MARGIN_S = 5.0
 # How long close() waits in total (watchdog thread, then the transport letting go), and for the watchdog.
 CLOSE_JOIN_S = 5.0
 # Stages a step may have for the timeline's slots (micro-batching supports up to 3).
@@ -152,6 +155,8 @@ class AFDConnector:
         self._pending_a2f: dict[int, list[SendHandle]] = {}
         # FFN: the issued f2a sends of the step, waited by wait_sends().
         self._pending_f2a: list[SendHandle] = []
+        # Attention: the first failure an exchange deferred to the step gate in the current step.
+        self._deferred: BaseException | None = None
 
     # ---- lifecycle ------------------------------------------------------------------------------
 
@@ -240,7 +245,6 @@ class AFDConnector:
         peer lose the store and re-form too. Step state, receive buffers and the timeline start anew;
         the failure is forgotten once the new pairing is ready. Raises what ``init()`` raises.
         """
-        s = self.spec
         self.reforming = True
         try:
             self._reform(timeout_s)
@@ -308,6 +312,25 @@ class AFDConnector:
         """Raise the sticky failure (lost peer, step timeout, transport error), if any."""
         self._latch.check()
 
+    def fail(self, exc: BaseException) -> BaseException:
+        """Record ``exc`` as this connector's failure unless one is recorded; return the sticky one."""
+        return self._latch.fail(exc, observed=True)
+
+    def defer_failure(self, exc: BaseException) -> None:
+        """Attention, inside a step: an exchange failed with ``exc``; the step gate raises it at the step's end."""
+        if self._deferred is None:
+            self._deferred = exc
+
+    def take_step_failure(self) -> BaseException | None:
+        """What the step gate must raise (and forget): a failure deferred in this step, the sticky failure, or
+        a pairing that is not ready (a re-formation running in the background)."""
+        deferred, self._deferred = self._deferred, None
+        if self.is_initialized:
+            return deferred
+        return self._latch.failure or deferred or AFDPeerLostError(
+            f"AFD peer lost: {self.placement.label}'s connector is pairing again after a lost peer; this step "
+            "cannot run (docs/connection.md#healing-attention)")
+
     @property
     def failure(self) -> BaseException | None:
         return self._latch.failure
@@ -374,6 +397,9 @@ class AFDConnector:
         if watchdog is not None:
             # NOTE: a FULL-graph replay runs its exchanges inside the graph: no step to count or time.
             watchdog.step_closed() if payload.is_graph_replaying else watchdog.step_opened(payload.step_seq)
+            # Once steps are timed, a transfer that outlives its step is released by the transport itself.
+            self.transport.transfer_timeout_s = (
+                self.spec.step_timeout_s + TRANSFER_TIMEOUT_MARGIN_S if watchdog.armed else None)
 
     # ---- data plane: attention ------------------------------------------------------------------
 
@@ -489,6 +515,9 @@ class AFDConnector:
     def _require_ready(self, what: str, role: str | None = None) -> None:
         self._latch.check()
         s, p = self.spec, self.placement
+        if self.reforming:
+            raise AFDPeerLostError(f"{s.name}.{what}: {p.label} is pairing again after a lost peer; this exchange "
+                                   "cannot run (docs/connection.md#healing-attention)")
         if not self._initialized or self._closed:
             state = "closed" if self._closed else "not initialized"
             raise RuntimeError(

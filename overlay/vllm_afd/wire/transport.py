@@ -57,6 +57,11 @@ class Transport(ABC):
     # Host synchronisations the transport made since it was built (a blocking device copy, an event
     # wait); the connector's timeline counts them per step. Stream-ordered transports keep 0.
     host_syncs: int = 0
+    # Bound in seconds on a host-side wait for one data transfer or control send, or None (unbounded);
+    # set by the connector once step timeouts are armed. A wait past it fails the transfer, which is how
+    # a rank blocked on a stuck peer is released (an abort cannot interrupt a blocked receive of its own
+    # process). Control receives stay unbounded: the FFN may wait idle for the next step.
+    transfer_timeout_s: float | None = None
 
     @abstractmethod
     def open(self, store: Any, placement: Placement, timeout_s: float) -> None:

@@ -1,12 +1,14 @@
 """Liveness (docs/connection.md#liveness): heartbeats, step timeouts, sticky failure, termination.
 
-Goal: a dead or stuck peer is an error within seconds, never a hang. ``Watchdog`` is a daemon thread
-with its own store client: it bumps this rank's heartbeat counter every ``peer_timeout_s / 5`` (at
-most every 0.5 s, so peers with shorter timeouts than ours never starve) and
-declares a peer lost when its counter stays unchanged for ``peer_timeout_s`` on the local monotonic
-clock (no cross-host clocks) or when the store connection breaks (FFN rank 0, its host, is gone).
-Once every attention rank has flagged "start-up done", it also fails a step or a single transfer
-that runs longer than ``step_timeout_s``. ``FailureLatch`` turns the first failure into the sticky
+Goal: a dead or stuck peer is an error within seconds, never a hang. ``Watchdog`` runs two daemon
+threads over its own store client. The heartbeat thread bumps this rank's counter every
+``peer_timeout_s / 5`` (at most every 0.5 s, so peers with shorter timeouts than ours never starve)
+and reads its peers'. The watchdog thread does no I/O: it declares a peer lost when no heartbeat round
+saw its counter change for ``peer_timeout_s`` (local monotonic clock, no cross-host clocks), when a
+round has not returned for ``peer_timeout_s`` (FFN rank 0, the store's host, is frozen or cut off) or
+when the store connection breaks (it is gone); once every attention rank has flagged "start-up done",
+it also fails a step or a single transfer that runs longer than ``step_timeout_s`` — on time whatever
+the store does. ``FailureLatch`` turns the first failure into the sticky
 error every later connector call raises, aborts the channels from a daemon thread, and terminates
 the process when no caller picks the failure up within a grace period (the main thread is stuck in
 a device sync, or the role is idle and nobody would ever look).
@@ -19,7 +21,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from vllm_afd.wire.errors import AFDPeerLostError, AFDStepTimeoutError
@@ -173,7 +175,14 @@ class WatchdogSpec:
 
 
 class Watchdog:
-    """Heartbeat and timeout thread of one rank; see the module docstring."""
+    """Heartbeat and timeout threads of one rank; see the module docstring.
+
+    Two threads, so that a store call that does not return cannot silence the judgement: the heartbeat
+    thread (``afd-heartbeat``) does every store call of a round and records what it saw and when; the
+    watchdog thread (``afd-watchdog``) never does I/O and judges from those records and the step and
+    transfer clocks, so a step timeout, a silent peer and a store that stopped answering are each
+    reported on time whatever the store does.
+    """
 
     def __init__(
         self,
@@ -188,8 +197,12 @@ class Watchdog:
         self._latch = latch
         self._clock = clock
         self._stop = threading.Event()
+        # Set when this watchdog recorded a failure: both threads end, so this rank stops heartbeating.
+        self._halt = threading.Event()
         self._thread: threading.Thread | None = None
+        self._beat_thread: threading.Thread | None = None
         self.armed = False
+        self.interval_s = min(spec.peer_timeout_s / 5.0, MAX_HEARTBEAT_INTERVAL_S)
         # (step_seq, opened_at) of the open step, or None.
         self._step: tuple[int | None, float] | None = None
         # Start of the transport call in flight and what it waits for ("a2f receive from attention
@@ -197,19 +210,31 @@ class Watchdog:
         self._transfer_since: float | None = None
         self._transfer_what = ""
         self._last_step_seq: int | None = None
+        # Written by the heartbeat thread only: when its store round in flight began (None between
+        # rounds), each peer's last counter value and when a round last saw it change.
+        self._round_since: float | None = None
+        self._peer_values: list[int | None] = [None] * len(spec.placement.peers)
+        self._peer_changed: list[float] = []
+        self._round_ended = 0.0
 
     # ---- main-thread interface --------------------------------------------------------------------
 
     def start(self) -> None:
         if self._thread is None:
+            self._round_ended = self._clock()
+            self._peer_changed = [self._round_ended] * len(self.spec.placement.peers)
+            self._beat_thread = threading.Thread(target=self._beat, name="afd-heartbeat", daemon=True)
             self._thread = threading.Thread(target=self._run, name="afd-watchdog", daemon=True)
+            self._beat_thread.start()
             self._thread.start()
 
     def stop(self, timeout_s: float = 2.0) -> None:
+        """Stop both threads; a heartbeat blocked in a store call is left to its daemon thread."""
         self._stop.set()
-        thread = self._thread
-        if thread is not None and thread is not threading.current_thread():
-            thread.join(timeout_s)
+        deadline = time.monotonic() + timeout_s
+        for thread in (self._thread, self._beat_thread):
+            if thread is not None and thread is not threading.current_thread():
+                thread.join(max(0.0, deadline - time.monotonic()))
 
     @property
     def is_alive(self) -> bool:
@@ -229,19 +254,17 @@ class Watchdog:
     def transfer_finished(self) -> None:
         self._transfer_since = None
 
-    # ---- thread ---------------------------------------------------------------------------------
+    # ---- threads --------------------------------------------------------------------------------
 
-    def _run(self) -> None:
+    def _beat(self) -> None:
+        """Heartbeat thread: one store round per interval (bump ours, read the peers', the start-up count)."""
         from vllm_afd.wire.rendezvous import rank_key
 
         spec = self.spec
         own_key = rank_key("heartbeat", spec.placement.role, spec.placement.role_rank)
         peer_keys = [rank_key("heartbeat", role, rank) for role, rank in spec.placement.peers]
-        last_values: list[int | None] = [None] * len(peer_keys)
-        started = self._clock()
-        last_change = [started] * len(peer_keys)
-        interval = min(spec.peer_timeout_s / 5.0, MAX_HEARTBEAT_INTERVAL_S)
-        while True:
+        while not (self._stop.is_set() or self._halt.is_set()):
+            self._round_since = self._clock()
             try:
                 self._store.add(own_key, 1)
                 values = [self._store.add(key, 0) for key in peer_keys]
@@ -249,24 +272,55 @@ class Watchdog:
                     self.armed = self._store.add(STARTUP_DONE_KEY, 0) >= spec.placement.num_attention_ranks
             except RuntimeError as exc:  # DistNetworkError / DistStoreError: the store host is gone
                 if not self._stop.is_set():
-                    self._latch.fail(self._store_lost(exc))
+                    self._fail(self._store_lost(exc))
                 return
             now = self._clock()
             for i, value in enumerate(values):
-                if value != last_values[i]:
-                    last_values[i], last_change[i] = value, now
-            failure = self._peer_failure(now, last_change) or self._timeout_failure(now)
-            if failure is not None and not self._stop.is_set():
-                # NOTE: the thread ends here, so this rank stops heartbeating and its peers learn too.
-                self._latch.fail(failure)
-                return
-            if self._stop.wait(interval):
+                if value != self._peer_values[i]:
+                    self._peer_values[i], self._peer_changed[i] = value, now
+            self._round_ended, self._round_since = now, None
+            if self._stop.wait(self.interval_s):
                 return
 
-    def _peer_failure(self, now: float, last_change: Sequence[float]) -> AFDPeerLostError | None:
+    def _run(self) -> None:
+        """Watchdog thread: judge every interval from the heartbeat's records and the step clocks; no I/O."""
+        while not (self._stop.is_set() or self._halt.is_set()):
+            now = self._clock()
+            failure = self._store_failure(now) or self._peer_failure(now) or self._timeout_failure(now)
+            if failure is not None:
+                if not self._stop.is_set():
+                    self._fail(failure)
+                return
+            if self._stop.wait(self.interval_s):
+                return
+
+    def _fail(self, failure: BaseException) -> None:
+        # NOTE: both threads end, so this rank stops heartbeating and its peers learn too.
+        self._halt.set()
+        self._latch.fail(failure)
+
+    # ---- judgement ------------------------------------------------------------------------------
+
+    def _store_failure(self, now: float) -> AFDPeerLostError | None:
+        """A store round that has not returned for ``peer_timeout_s``: FFN rank 0 is frozen or cut off."""
         spec = self.spec
-        for (role, rank), changed_at in zip(spec.placement.peers, last_change):
-            silent_s = now - changed_at
+        since = self._round_since
+        if since is None or now - since < spec.peer_timeout_s:
+            return None
+        return AFDPeerLostError(
+            f"AFD peer lost: the rendezvous store at {spec.address} (hosted by ffn rank 0) has not answered "
+            f"{spec.placement.label}'s heartbeat for {now - since:.1f}s (peer_timeout_s={spec.peer_timeout_s:g}); "
+            "ffn rank 0's process is stopped or stuck, or the network to its host is cut. Check ffn rank 0's log "
+            "and process state; restart it if it does not recover (docs/operations.md)"
+        )
+
+    def _peer_failure(self, now: float) -> AFDPeerLostError | None:
+        """A peer whose counter no round saw change for ``peer_timeout_s`` (judged as of the last round
+        that returned: a round in flight is the store's delay, not the peer's silence)."""
+        spec = self.spec
+        seen = self._round_ended
+        for (role, rank), changed_at in zip(spec.placement.peers, self._peer_changed):
+            silent_s = seen - changed_at
             if silent_s >= spec.peer_timeout_s:
                 return AFDPeerLostError(
                     f"AFD peer lost: {role} rank {rank} silent for {silent_s:.1f}s "
@@ -279,19 +333,23 @@ class Watchdog:
             return None
         spec = self.spec
         step, transfer_since = self._step, self._transfer_since
-        started = [t for t in (step[1] if step else None, transfer_since) if t is not None]
-        if not started or now - min(started) <= spec.step_timeout_s:
+        step_s = None if step is None else now - step[1]
+        transfer_s = None if transfer_since is None else now - transfer_since
+        if max(step_s or 0.0, transfer_s or 0.0) <= spec.step_timeout_s:
             return None
         step_seq = step[0] if step else self._last_step_seq
         shown = "?" if step_seq is None else step_seq
-        if transfer_since is not None:
+        opened = "" if step_s is None else f" (open for {step_s:.1f}s)"
+        if transfer_s is not None:
             # NOTE: name who waits for whom: the missing rank is the one this transfer waits on.
-            waiting = (f"{spec.placement.label} has waited {now - transfer_since:.1f}s in "
+            waiting = (f"{spec.placement.label} has waited {transfer_s:.1f}s in "
                        f"'{self._transfer_what or 'a transfer'}'")
         else:
-            waiting = f"{spec.placement.label} is between exchanges (computing, or a payload went missing)"
+            waiting = (f"{spec.placement.label} is between exchanges: computing, stuck outside AFD (a "
+                       "tensor-parallel collective waiting for another rank of its server), or a payload went "
+                       "missing")
         return AFDStepTimeoutError(
-            f"AFD step {shown} did not complete within step_timeout_s={spec.step_timeout_s:g} "
+            f"AFD step {shown}{opened} did not complete within step_timeout_s={spec.step_timeout_s:g} "
             f"({spec.step_peer_label}): {waiting}. Check that rank's log; lower step_timeout_s to "
             "surface a stall sooner"
         )

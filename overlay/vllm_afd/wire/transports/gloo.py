@@ -8,10 +8,11 @@ the ``Work`` of ``ProcessGroupGloo.send`` (gloo's TCP pair sends once the peer p
 the caller must not wait for it before its own receives); a CUDA tensor's pinned staging buffer is
 held by the handle until it is waited. Host-synchronous,
 hence eager only: the CPU path and both roles on one GPU. A dead peer closes its TCP connections, so
-a receive from it fails at once; the watchdog covers a peer that hangs. gloo cannot interrupt a
-blocked receive of its own process: ``close()`` drops the groups, which fails the peers' pending
-transfers at once, and leaves a local blocked receive to the peer's exit or the watchdog's
-termination fallback.
+a receive from it fails at once; the watchdog reports a peer that hangs, and ``transfer_timeout_s``
+(the step timeout plus a margin, once armed) releases a wait on it. gloo cannot interrupt a blocked
+receive of its own process (neither ``abort()`` nor ``shutdown()`` does, torch 2.13): ``close()`` drops
+the groups, which fails the peers' pending transfers at once, and a local blocked data transfer ends
+at its native timeout.
 """
 
 from __future__ import annotations
@@ -21,13 +22,13 @@ from typing import Any
 
 import torch
 
-from vllm_afd.wire.placement import Placement
+from vllm_afd.wire.placement import CONTROL, Placement
 from vllm_afd.wire.transport import SendHandle, Transport
 
 __all__ = ["GlooSend", "GlooTransport"]
 
-# Native timeout of every gloo send/receive. The watchdog enforces steps; the FFN's wait for the next
-# payload is legally unbounded, so this only has to outlast any idle period.
+# Native timeout of a gloo wait with no bound: a control receive (the FFN's wait for the next payload
+# is legally unbounded), and every wait before step timeouts are armed (start-up may compile for long).
 # NOTE: passed to every ``wait()``: without it gloo uses the group's creation timeout (the rest of the
 # rendezvous), and ``set_timeout`` does not change that for pending sends and receives (torch 2.13).
 GLOO_OP_TIMEOUT = datetime.timedelta(days=365)
@@ -49,16 +50,17 @@ def _gloo_options(store: Any, timeout: datetime.timedelta) -> tuple[Any, str]:
     from torch.distributed import ProcessGroupGloo
 
     interface = os.environ.get("GLOO_SOCKET_IFNAME")
-    options = ProcessGroupGloo._Options()
-    options._timeout = timeout
+    # NOTE: torch's own new_group fills these private fields; there is no public constructor for them.
+    options = ProcessGroupGloo._Options()  # noqa: SLF001
+    options._timeout = timeout  # noqa: SLF001
     if interface:
-        options._devices = [ProcessGroupGloo.create_device(interface=interface.split(",")[0])]
+        options._devices = [ProcessGroupGloo.create_device(interface=interface.split(",")[0])]  # noqa: SLF001
         return options, f"GLOO_SOCKET_IFNAME={interface}"
     family, kind, proto, _, address = socket.getaddrinfo(store.host, store.port, type=socket.SOCK_DGRAM)[0]
     with socket.socket(family, kind, proto) as probe:
         probe.connect(address)  # a UDP connect picks the route and its source address; nothing is sent
         local = probe.getsockname()[0]
-    options._devices = [ProcessGroupGloo.create_device(hostname=local)]
+    options._devices = [ProcessGroupGloo.create_device(hostname=local)]  # noqa: SLF001
     return options, local
 
 
@@ -67,18 +69,23 @@ def _bytes(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.reshape(-1).view(torch.uint8)
 
 
+def _op_timeout(timeout_s: float | None) -> datetime.timedelta:
+    """The native timeout of one wait: ``transfer_timeout_s`` when set, else effectively none."""
+    return GLOO_OP_TIMEOUT if timeout_s is None else datetime.timedelta(seconds=timeout_s)
+
+
 class GlooSend:
     """A pending gloo send: its ``Work``, the bytes it reads, and what to do once they are free."""
 
-    def __init__(self, work: Any, data: torch.Tensor, release: Any = None) -> None:
-        self._work, self._data, self._release = work, data, release
+    def __init__(self, work: Any, data: torch.Tensor, release: Any = None, timeout_s: float | None = None) -> None:
+        self._work, self._data, self._release, self._timeout_s = work, data, release, timeout_s
 
     def wait(self) -> None:
         if self._work is None:
             return
         work, self._work = self._work, None
         try:
-            work.wait(GLOO_OP_TIMEOUT)
+            work.wait(_op_timeout(self._timeout_s))
         finally:
             if self._release is not None:
                 self._release(self._data)  # a staging buffer goes back to its free list
@@ -134,12 +141,12 @@ class GlooTransport(Transport):
             host.copy_(tensor, non_blocking=True)
             self._record_copy("send", host).synchronize()  # gloo reads the bytes from the host
             self.host_syncs += 1
-        self._group(channel).send([_bytes(host)], dst, 0).wait(GLOO_OP_TIMEOUT)
+        self._group(channel).send([_bytes(host)], dst, 0).wait(_op_timeout(self.transfer_timeout_s))
 
     def isend(self, channel: str, tensor: torch.Tensor, dst: int) -> SendHandle:
         if tensor.device.type == "cpu":
             host = tensor.contiguous()
-            return GlooSend(self._group(channel).send([_bytes(host)], dst, 0), host)
+            return GlooSend(self._group(channel).send([_bytes(host)], dst, 0), host, timeout_s=self.transfer_timeout_s)
         # NOTE: a pending send owns its staging buffer until waited: two stages of one size may be in flight.
         nbytes = tensor.numel() * tensor.element_size()
         free = self._free_sends.setdefault(nbytes, [])
@@ -147,14 +154,16 @@ class GlooTransport(Transport):
         host.view(tensor.dtype).view(tensor.shape).copy_(tensor, non_blocking=True)
         torch.cuda.current_stream().synchronize()  # gloo reads the bytes from the host
         self.host_syncs += 1
-        return GlooSend(self._group(channel).send([host], dst, 0), host, free.append)
+        return GlooSend(self._group(channel).send([host], dst, 0), host, free.append, self.transfer_timeout_s)
 
     def recv(self, channel: str, tensor: torch.Tensor, src: int) -> None:
+        # NOTE: a timed-out gloo wait closes its pair, so the channel is lost: fine once the step is late.
+        timeout = GLOO_OP_TIMEOUT if channel == CONTROL else _op_timeout(self.transfer_timeout_s)
         if tensor.device.type == "cpu" and tensor.is_contiguous():
-            self._group(channel).recv([_bytes(tensor)], src, 0).wait(GLOO_OP_TIMEOUT)
+            self._group(channel).recv([_bytes(tensor)], src, 0).wait(timeout)
             return
         staging = self._staging_for("recv", tensor)
-        self._group(channel).recv([_bytes(staging)], src, 0).wait(GLOO_OP_TIMEOUT)
+        self._group(channel).recv([_bytes(staging)], src, 0).wait(timeout)
         tensor.copy_(staging, non_blocking=tensor.device.type == "cuda")
         if tensor.device.type == "cuda":
             self._record_copy("recv", staging)

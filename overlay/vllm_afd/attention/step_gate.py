@@ -1,0 +1,65 @@
+"""Where an attention rank raises its connector's failure: at a step's start and end, on every
+tensor-parallel rank together (docs/failures.md#14-a-failure-seen-by-one-tensor-parallel-rank).
+
+A failure recorded by one rank (its watchdog, one of its transfers) must not make that rank alone refuse
+a step or leave it halfway: its tensor-parallel peers would wait in one of vLLM's collectives (the first
+layer's all-reduce) for a rank that never comes, and nothing of AFD can release a rank from vLLM's
+collective. So inside a step a failed transfer does not raise (models/proxy.py fills its rows with zeros;
+the step's result is discarded), and the ranks raise only at the two points every rank reaches: the gate
+all-reduces "has my connector failed?" over the tensor-parallel group's CPU group and raises on every rank
+if any has.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from vllm_afd.wire.connector import AFDConnector
+from vllm_afd.wire.errors import AFDPeerLostError
+
+__all__ = ["LocalStepGate", "TensorParallelStepGate", "make_step_gate"]
+
+
+def _raise(connector: AFDConnector, failure: BaseException) -> None:
+    connector.check_failed()  # NOTE: the sticky failure goes through the latch, which marks it observed
+    raise failure
+
+
+class LocalStepGate:
+    """One attention rank per server (TP 1): raise this connector's failure."""
+
+    def __init__(self, connector: AFDConnector) -> None:
+        self.connector = connector
+
+    def check(self) -> None:
+        failure = self.connector.take_step_failure()
+        if failure is not None:
+            _raise(self.connector, failure)
+
+
+class TensorParallelStepGate:
+    """TP > 1: every rank raises if any rank's connector has failed, none otherwise (one all-reduce)."""
+
+    def __init__(self, connector: AFDConnector, cpu_group: Any) -> None:
+        self.connector = connector
+        self.cpu_group = cpu_group
+        self._flag = torch.zeros(1, dtype=torch.int32)  # [1]: 1 once this rank's connector failed
+
+    def check(self) -> None:
+        failure = self.connector.take_step_failure()
+        self._flag.fill_(0 if failure is None else 1)
+        torch.distributed.all_reduce(self._flag, op=torch.distributed.ReduceOp.MAX, group=self.cpu_group)
+        if int(self._flag.item()) == 0:
+            return
+        if failure is None:
+            failure = self.connector.fail(AFDPeerLostError(
+                f"AFD peer lost: another tensor-parallel rank of this attention server lost its FFN peer (its "
+                f"log line 'AFD connector failed' names the cause); {self.connector.placement.label} leaves the "
+                "step with it, so that every rank of the server raises together"))
+        _raise(self.connector, failure)
+
+
+def make_step_gate(connector: AFDConnector, tp_size: int, cpu_group: Any) -> LocalStepGate | TensorParallelStepGate:
+    return LocalStepGate(connector) if tp_size == 1 else TensorParallelStepGate(connector, cpu_group)

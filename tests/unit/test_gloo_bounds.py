@@ -1,0 +1,72 @@
+"""wire/transports/gloo.py: ``transfer_timeout_s`` bounds a data wait on a live but silent peer; control
+receives stay unbounded (docs/failures.md#14-a-failure-seen-by-one-tensor-parallel-rank).
+
+gloo cannot interrupt a blocked receive of its own process (``abort()`` and ``shutdown()`` leave it blocked
+until the peer's exit, torch 2.13), so this bound is what releases a rank stuck on a peer that hangs.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import torch
+from torch.distributed import TCPStore
+
+from vllm_afd.wire.placement import A2F, CONTROL, Placement
+from vllm_afd.wire.transports.gloo import GlooTransport
+
+
+def open_pair() -> tuple[GlooTransport, GlooTransport]:
+    """An FFN and an attention transport joined on loopback (one store client each, as the connectors)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    stores = [TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False),
+              TCPStore("127.0.0.1", port, is_master=False)]
+    ffn, attention = GlooTransport(torch.device("cpu")), GlooTransport(torch.device("cpu"))
+    opened = [threading.Thread(target=t.open, args=(store, Placement(role, 0, 1, 1, 1, 1), 30.0))
+              for t, role, store in ((ffn, "ffn", stores[0]), (attention, "attention", stores[1]))]
+    for thread in opened:
+        thread.start()
+    for thread in opened:
+        thread.join(30)
+    ffn.stores = attention.stores = stores  # keep the store alive with the groups
+    return ffn, attention
+
+
+def test_a_data_receive_from_a_silent_peer_fails_at_the_transfer_bound():
+    ffn, attention = open_pair()
+    attention.transfer_timeout_s = 0.5
+    started = time.monotonic()
+
+    try:
+        attention.recv(A2F, torch.empty(4, dtype=torch.uint8), 0)
+        raised = None
+    except RuntimeError as exc:
+        raised = exc
+    elapsed = time.monotonic() - started
+    ffn.close()
+    attention.close()
+
+    assert raised is not None and "Timed out" in str(raised)
+    assert 0.4 <= elapsed < 5.0, elapsed
+
+
+def test_without_a_bound_and_on_the_control_channel_a_receive_waits_for_the_peer():
+    ffn, attention = open_pair()
+    ffn.transfer_timeout_s = 0.2  # control receives ignore it: the FFN may wait idle for the next step
+    received = torch.zeros(4, dtype=torch.uint8)
+    receiver = threading.Thread(target=ffn.recv, args=(CONTROL, received, 1))
+    receiver.start()
+
+    time.sleep(1.0)
+    still_waiting = receiver.is_alive()
+    attention.send(CONTROL, torch.arange(4, dtype=torch.uint8), 0)
+    receiver.join(10)
+    ffn.close()
+    attention.close()
+
+    assert still_waiting and not receiver.is_alive()
+    assert received.tolist() == [0, 1, 2, 3]
