@@ -217,7 +217,7 @@ def frozen_ffn_mid_stream(afd: AFDDeployment, plain_tokens: list, *, step_timeou
     """The FFN server frozen mid-stream (SIGSTOP: alive, not heartbeating, its TCP connections open): every
     attention TP rank reports it within peer_timeout_s + 5 s, both ranks leave the step together (the step
     gate), the clients' streams end within step_timeout_s + 15 s, and once the FFN runs again both roles pair
-    again by themselves and serve plain tokens (docs/failures.md#14-a-failure-seen-by-one-tensor-parallel-rank)."""
+    again by themselves and serve plain tokens (docs/failures.md#22-the-attention-tp-2-stall)."""
     base_url, model = afd.attention.base_url, afd.model
     results: list = [None] * 2
     streams = [threading.Thread(target=stream_until_error, args=(base_url, str(model), results, i), daemon=True)

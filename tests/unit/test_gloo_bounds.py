@@ -1,5 +1,5 @@
 """wire/transports/gloo.py: ``transfer_timeout_s`` bounds a data wait on a live but silent peer; control
-receives stay unbounded (docs/failures.md#14-a-failure-seen-by-one-tensor-parallel-rank).
+receives stay unbounded (docs/failures.md#22-the-attention-tp-2-stall).
 
 gloo cannot interrupt a blocked receive of its own process (``abort()`` and ``shutdown()`` leave it blocked
 until the peer's exit, torch 2.13), so this bound is what releases a rank stuck on a peer that hangs.

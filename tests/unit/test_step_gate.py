@@ -1,5 +1,5 @@
 """attention/step_gate.py: the attention ranks of one server raise a connector failure together, at a step's
-edges, or not at all (docs/failures.md#14-a-failure-seen-by-one-tensor-parallel-rank).
+edges, or not at all (docs/failures.md#22-the-attention-tp-2-stall).
 
 Two processes join a real gloo group, as vLLM's tensor-parallel CPU group is; their connectors are recording
 fakes whose failure the test sets per step.

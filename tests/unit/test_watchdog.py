@@ -351,3 +351,21 @@ def test_a_stuck_step_is_reported_on_time_while_the_store_is_stuck():
     assert abs(waited - (time.monotonic() - started)) < 0.5
     assert opened >= waited + 0.15
     assert "in 'a2f receive from attention rank 1'" in message
+
+
+def test_a_peer_that_has_not_beaten_yet_is_starting_not_silent():
+    """Regression: in a re-formation under load the FFN's watchdog declared a slow attention rank lost before
+    that rank's first heartbeat, and the FFN, still inside init, ended its process."""
+    store = RecordingStore()
+    latch = FailureLatch(lambda: None, None)
+    watchdog = Watchdog(store, WatchdogSpec(place("ffn", 0), 0.5, 30.0, "h:1"), latch)
+    watchdog.start()
+
+    time.sleep(1.5)  # three peer timeouts before the attention's first beat
+    assert latch.failure is None
+    store.add(rank_key("heartbeat", "attention", 0), 1)  # its first beat, then silence
+    elapsed = wait_for(lambda: latch.failure is not None, 3.0)
+    watchdog.stop()
+
+    assert 0.3 <= elapsed <= 1.5
+    assert str(latch.failure).startswith("AFD peer lost: attention rank 0 silent for ")

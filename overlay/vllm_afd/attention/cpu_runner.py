@@ -30,6 +30,8 @@ from vllm_afd.attention.stages import stage_counts, stages_for_step
 from vllm_afd.attention.ubatch import CPUStageBaton, run_stages
 from vllm_afd.config import AFDConfig
 from vllm_afd.models.proxy import SIDECAR_KEY, ForwardSidecar
+from vllm_afd.wire.connector import TRANSFER_TIMEOUT_MARGIN_S
+from vllm_afd.wire.errors import AFDError
 from vllm_afd.wire.placement import Placement
 
 logger = init_logger(__name__)
@@ -94,9 +96,15 @@ class AFDCPUAttentionModelRunner(AFDAttentionRunnerMixin, CPUModelRunner):
                 f"{len(slices)} stages; expected a text decoder without pipeline parallelism. Set num_stages to 1"
             )
         # Every DP rank split the same DP-padded count alike (vLLM's vote), so each stage's rows are the same on all.
-        self.afd_connector.publish(stage_counts([s.num_tokens for s in slices], self.afd_connector.placement.dp_size))
+        connector = self.afd_connector
+        try:
+            connector.publish(stage_counts([s.num_tokens for s in slices], connector.placement.dp_size))
+        except AFDError as exc:  # NOTE: raised by the step gate at the step's end, on every TP rank
+            connector.defer_failure(exc)
         logger.info_once("AFD CPU attention: running steps as %d micro-batch stages", len(slices))
-        baton = CPUStageBaton(len(slices), self.afd_connector.spec.step_timeout_s)
+        # A stage waits for the others' turns: their compute and at most one transfer each, which the
+        # transport releases by step_timeout_s + TRANSFER_TIMEOUT_MARGIN_S; the baton outlasts that.
+        baton = CPUStageBaton(len(slices), connector.spec.step_timeout_s + 2 * TRANSFER_TIMEOUT_MARGIN_S)
         contexts = [self._afd_stage_context(context, j, s.num_tokens, baton) for j, s in enumerate(slices)]
 
         def forward(stage: int) -> Any:

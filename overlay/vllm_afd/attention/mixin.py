@@ -120,6 +120,7 @@ class AFDAttentionRunnerMixin:
         # NOTE: a failure is raised only through the gate, at both ends of the step, on every TP rank at once
         # (attention/step_gate.py); inside the step a failed transfer fills zeros (models/proxy.py).
         self._afd_step_gate.check()
+        self._afd_before_step()
         self._afd_in_step = True
         try:
             output = super().execute_model(*args, **kwargs)
@@ -128,6 +129,9 @@ class AFDAttentionRunnerMixin:
             self._afd_step_gate.check()
         self._afd_telemetry.after_step()
         return output
+
+    def _afd_before_step(self) -> None:
+        """Runs once the step gate passed, before the native step (the CUDA runner re-records graphs here)."""
 
     def afd_mark_startup_done(self) -> None:
         """Arm the step timeouts: profile, warm-up and graph capture are over."""

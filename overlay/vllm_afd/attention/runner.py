@@ -31,6 +31,7 @@ from vllm_afd.attention.cuda_stages import DBO_BATON, AFDUBatchRunner
 from vllm_afd.attention.mixin import AFDAttentionRunnerMixin
 from vllm_afd.attention.payloads import step_counts
 from vllm_afd.attention.stages import stage_counts
+from vllm_afd.wire.errors import AFDError
 
 logger = logging.getLogger(__name__)
 
@@ -72,15 +73,10 @@ class AFDAttentionModelRunner(AFDAttentionRunnerMixin, GPUModelRunner):
             self._afd_graphs_pairing = self.afd_connector.reformations
         return size
 
-    def execute_model(self, *args: Any, **kwargs: Any) -> Any:
-        self._afd_refresh_graphs()
-        return super().execute_model(*args, **kwargs)
-
-    def _afd_refresh_graphs(self) -> None:
-        """Record the graphs again if the connector re-formed since they were recorded."""
+    def _afd_before_step(self) -> None:
+        """Record the graphs again if the connector re-formed since they were recorded (the step gate passed)."""
         if self._afd_graphs_pairing in (None, self.afd_connector.reformations):
             return
-        self.afd_connector.check_failed()
         logger.info("AFD attention: re-recording CUDA graphs for the re-formed pairing (re-formation %d)",
                     self.afd_connector.reformations)
         self.cudagraph_manager.release_graphs()
@@ -93,11 +89,16 @@ class AFDAttentionModelRunner(AFDAttentionRunnerMixin, GPUModelRunner):
             counts = {0: self._afd_step_counts(batch_desc, dp_sync)}
         else:
             counts = stage_counts([s.num_tokens for s in ubatch_state.slices], self.afd_connector.placement.dp_size)
-        self.afd_connector.publish(
-            counts,
-            is_graph_replaying=batch_desc.cg_mode == CUDAGraphMode.FULL,
-            is_profile=self._afd_in_profile,
-        )
+        try:
+            self.afd_connector.publish(
+                counts,
+                is_graph_replaying=batch_desc.cg_mode == CUDAGraphMode.FULL,
+                is_profile=self._afd_in_profile,
+            )
+        except AFDError as exc:
+            if not self._afd_in_step:
+                raise
+            self.afd_connector.defer_failure(exc)  # NOTE: the step gate raises it on every TP rank
 
     def _afd_step_counts(self, batch_desc: Any, dp_sync: Any) -> list[int]:
         """Rows per attention DP rank for this step, as every rank will send them."""

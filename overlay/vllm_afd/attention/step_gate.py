@@ -1,5 +1,5 @@
 """Where an attention rank raises its connector's failure: at a step's start and end, on every
-tensor-parallel rank together (docs/failures.md#14-a-failure-seen-by-one-tensor-parallel-rank).
+tensor-parallel rank together (docs/failures.md#22-the-attention-tp-2-stall).
 
 A failure recorded by one rank (its watchdog, one of its transfers) must not make that rank alone refuse
 a step or leave it halfway: its tensor-parallel peers would wait in one of vLLM's collectives (the first

@@ -319,7 +319,11 @@ class Watchdog:
         that returned: a round in flight is the store's delay, not the peer's silence)."""
         spec = self.spec
         seen = self._round_ended
-        for (role, rank), changed_at in zip(spec.placement.peers, self._peer_changed):
+        for (role, rank), value, changed_at in zip(spec.placement.peers, self._peer_values, self._peer_changed):
+            if not value:
+                # NOTE: a peer that has not beaten yet is still starting (a slow rank of a re-formation);
+                # init's bounded waits cover it, and it beats before it announces its channels ready.
+                continue
             silent_s = seen - changed_at
             if silent_s >= spec.peer_timeout_s:
                 return AFDPeerLostError(
