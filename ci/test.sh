@@ -1,11 +1,10 @@
 #!/usr/bin/env bash
 # The project's test command (README): set up one venv per supported vLLM release, run the
 # gates, then every test tier on each release, then the advisory rebase report.
-#   tier 1  gates: monkeypatch AST check, ruff; per series: patch lint, zero-fuzz check on both wheels
+#   tier 1  gates: monkeypatch AST check, ruff, links; per series: patch lint, zero-fuzz check on both wheels
 #           of its pin, patches up to date; the committed rebase report names the current series
-#   tier 2  fast tests (unit, patch engine, contracts, models in-process) on every release
-#           (the tool and wire tests, tests/patches, tests/ci, tests/connectors, are release-free
-#           and run once)
+#   tier 2  fast tests, `pytest -m "not e2e"` (tests/ mirrors the product: docs/testing.md), on every
+#           release; the release-free folders (RELEASE_FREE below) on VLLM_PIN's only
 #   tier 3  e2e tests: real vLLM processes on loopback; the full set on VLLM_PIN's release, the
 #           set in $E2E_SECOND_PIN (-k $E2E_SECOND_PIN_K) on the others (AFD == plain tokens, the
 #           FFN's request veto, patched-without-AFD == pristine, on Qwen3-MoE)
@@ -13,9 +12,20 @@
 #           as runs/rebase-report-newest.{md,json}; never fails CI
 # Pass pytest arguments after `--`, e.g. `bash ci/test.sh -- -k config`.  AFD_PINS selects the
 # releases (default: every VLLM_PIN* file), e.g. AFD_PINS=VLLM_PIN for the oldest only.
+# `bash ci/test.sh --fast [-- <pytest args>]` is the inner loop (about a minute): the cheap gates
+# (monkeypatch check, ruff, links) and the fast vLLM-free tests (FAST_TESTS) on .venv, which it
+# sets up only when .venv is not ready; no wheels, no second release, no e2e.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+FAST=
+[ "${1:-}" = "--fast" ] && FAST=1 && shift
+[ "${1:-}" = "--" ] && shift
 PINS=${AFD_PINS:-$(ls VLLM_PIN VLLM_PIN-* 2>/dev/null | tr '\n' ' ')}
+# Folders of tests that import no vLLM (tests/wire/test_wire_is_vllm_free.py keeps the wire so) or
+# check our own tools against fixed inputs: once, on VLLM_PIN's release, is enough.
+RELEASE_FREE=(tests/patches tests/ci tests/connectors tests/wire)
+# The inner loop's tests: the wire and the CI tools, vLLM-free and quick.
+FAST_TESTS=(tests/wire tests/ci)
 # The reduced e2e set of the newer releases (CI time: ~45 min on 2 cores): AFD == plain tokens,
 # the FFN's veto and patched == pristine, on Qwen3-MoE.  E2E_SECOND_PIN_K="" adds DeepSeek-V2;
 # E2E_SECOND_PIN="tests/hooks ..." adds the hook-firing tests (both pass on 0.32.0, ~6 min more).
@@ -30,13 +40,27 @@ venv_of() {  # the venv of a pin file: AFD_VENV (else .venv) for VLLM_PIN, .venv
 models_of() {  # tiny checkpoints per release: their recipe hash includes the venv's transformers
     if [ "$1" = VLLM_PIN ]; then echo "${AFD_TINY_MODELS_DIR:-models}"; else echo "${AFD_TINY_MODELS_DIR:-models}/vllm-$(pin_value "$1" version)"; fi
 }
+cheap_gates() {
+    "$PY" ci/check_no_monkeypatch.py overlay scripts tests/harness
+    "$PY" -m ruff check .
+    "$PY" ci/check_links.py README.md docs evidence
+}
+
+if [ -n "$FAST" ]; then
+    PY=$(venv_of VLLM_PIN)/bin/python
+    "$PY" -c "import vllm_afd, afd_harness, afd_patchtool, pytest, hypothesis, ruff" 2>/dev/null \
+        || AFD_PIN=VLLM_PIN AFD_VENV=$(venv_of VLLM_PIN) bash ci/setup_env.sh
+    echo "== fast: gates"
+    cheap_gates
+    echo "== fast: ${FAST_TESTS[*]}"
+    exec "$PY" -m pytest -q -m "not e2e" "${FAST_TESTS[@]}" "$@"
+fi
+
 for pin in $PINS; do AFD_PIN=$pin AFD_VENV=$(venv_of "$pin") bash ci/setup_env.sh; done
 PY=$(venv_of VLLM_PIN)/bin/python
 
 echo "== tier 1: gates"
-"$PY" ci/check_no_monkeypatch.py overlay scripts tests/harness
-"$PY" -m ruff check .
-"$PY" ci/check_links.py README.md docs evidence
+cheap_gates
 for pin in $PINS; do
     short=$(pin_value "$pin" short)
     echo "-- $pin (vLLM $(pin_value "$pin" version), --vllm $short)"
@@ -46,19 +70,13 @@ for pin in $PINS; do
 done
 bash ci/rebase_report.sh --check
 
-[ "${1:-}" = "--" ] && shift
 for pin in $PINS; do
     echo "== tier 2: fast tests on vLLM $(pin_value "$pin" version)"
     if [ "$pin" = VLLM_PIN ]; then
         "$(venv_of "$pin")/bin/python" -m pytest -m "not e2e" "$@"
     else
-        # tests/patches and tests/ci check our own tools, not vLLM, and tests/connectors and the wire's
-        # state machines in tests/unit (rendezvous, transports, stage order: torch only, no vLLM
-        # import; test_wire_is_vllm_free.py keeps the wire so): once is enough.
-        AFD_TINY_MODELS_DIR=$(models_of "$pin") \
-            "$(venv_of "$pin")/bin/python" -m pytest -m "not e2e" --ignore tests/patches --ignore tests/ci \
-            --ignore tests/connectors --ignore tests/unit/test_stage_ordering.py \
-            --ignore tests/unit/test_ipc_protocol.py --ignore tests/unit/test_connector_machine.py "$@"
+        AFD_TINY_MODELS_DIR=$(models_of "$pin") "$(venv_of "$pin")/bin/python" -m pytest -m "not e2e" \
+            "${RELEASE_FREE[@]/#/--ignore=}" "$@"
     fi
 done
 for pin in $PINS; do

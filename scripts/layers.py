@@ -3,7 +3,7 @@
     python scripts/layers.py --check          # exit 1 and name every import that points up
     python scripts/layers.py --draw docs/layers.png
 
-The text file is the source; tests/unit/test_layers.py runs the check, so the picture in
+The text file is the source; tests/tools/test_layers.py runs the check, so the picture in
 docs/architecture.md cannot drift from the code. Imports are read with ``ast`` (nothing is
 imported), including imports inside functions.
 """
@@ -114,7 +114,7 @@ def draw(layers: list[Layer], out: Path) -> None:
         ax.text(1.6, y + 0.5, "  ".join(p.removeprefix("vllm_afd.") for p in layer.prefixes),
                 fontsize=9, family="monospace", va="center")
         ax.text(1.6, y + 0.2, layer.about, fontsize=8, color="#333333", va="center")
-    ax.text(0.1, 0.15, "imports point down only (checked by tests/unit/test_layers.py); "
+    ax.text(0.1, 0.15, "imports point down only (checked by tests/tools/test_layers.py); "
             "vLLM is imported above the wire layer only", fontsize=8, color="#555555")
     fig.savefig(out, dpi=110, bbox_inches="tight")
     plt.close(fig)

@@ -4,7 +4,7 @@ The overlay supports two patched releases at once (docs/releases.md#supported-re
 oldest stays until the newest has run in CI and on the device.  Everything that differs
 between them is a field of `Release` here, read by the module that needs it, so no other
 module compares version strings and dropping a release is deleting one entry.  The pin
-values equal `VLLM_PIN` and `VLLM_PIN-<version>` (tests/unit/test_pin.py keeps them equal).
+values equal `VLLM_PIN` and `VLLM_PIN-<version>` (tests/overlay/test_pin.py keeps them equal).
 
 Importing this module imports no vLLM (pin.py checks the installed build before vLLM loads);
 `installed()` and the accessors read vLLM only when called.

@@ -2,7 +2,7 @@
 
 `gpu_e2e.py` drives servers on the lent GPU machine, where every minute costs device time;
 everything that needs no GPU and no vLLM lives here so that it is unit-tested on the CPU
-machine (tests/unit/test_device_scripts.py): phase selection, the fixed prompt sets, the
+machine (tests/tools/test_device_scripts.py): phase selection, the fixed prompt sets, the
 greedy-token comparison (AFD vs plain vLLM, graphs vs eager), decode rates from timed
 requests, and the markdown rendering of `summary.json`.  Stdlib only.
 """

@@ -5,7 +5,7 @@ over gloo (serving.py); the `ipcfloor` phase measures the transport's own round 
 (bench_ipc_floor.py). This module turns both into the ratios of docs/conventions.md#measuring-performance:
 decode tok/s AFD(IPC, graphs) / plain graphs and / plain eager, AFD(IPC, eager) / AFD(gloo, eager),
 and serving's per-layer cost / the floor of the same rows x hidden. Stdlib only, tested on CPU
-(tests/unit/test_device_scripts.py).
+(tests/tools/test_device_scripts.py).
 """
 
 from __future__ import annotations

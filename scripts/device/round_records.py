@@ -1,7 +1,7 @@
 """What one serving round records (phases.py): the greedy-token comparisons and the decode bench.
 
 Pure: the round's raw results in, the dicts of `summary["phases"]["tokens"|"bench"]["models"][arch]` out
-(tests/unit/test_device_scripts.py, tests/unit/test_device_ipc.py).
+(tests/tools/test_device_scripts.py, tests/tools/test_device_ipc.py).
 """
 
 from __future__ import annotations

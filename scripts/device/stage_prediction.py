@@ -10,7 +10,7 @@ re-simulated at n/k tokens per stage.
 
 On the H200 both roles share one GPU and their kernels time-slice, so the model, which runs the roles side
 by side, predicts what two GPUs would give.  Pure apart from reading the timeline files; tests:
-tests/unit/test_stage_prediction.py.
+tests/tools/test_stage_prediction.py.
 """
 
 from __future__ import annotations

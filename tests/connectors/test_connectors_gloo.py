@@ -63,7 +63,7 @@ def test_3a2f_pairs_data_and_control_ranks_with_idle_dp_ranks(pool):
 @pytest.mark.parametrize(("num_attention", "num_stages"), [(1, 2), (2, 3)])
 def test_interleaved_stages_complete_bit_exact_over_rendezvous_sends(pool, num_attention, num_stages):
     # Every stage's send is issued before the first receive: blocking sends would deadlock here
-    # (tests/unit/test_stage_ordering.py); steps of fewer stages than agreed run too.
+    # (tests/wire/test_stage_ordering.py); steps of fewer stages than agreed run too.
     port = free_port()
     ranks = [("ffn", 0)] + [("attention", j) for j in range(num_attention)]
     arg_lists = [(role, rank, num_attention, 1, port, num_stages, 2 * num_stages) for role, rank in ranks]

@@ -17,7 +17,7 @@ With `num_stages` > 1 (docs/pingpong.md#41-model-runner-v2-cuda,
 docs/pingpong.md#9-cuda-graphs-full_decode_only) the manager also decides, per step, whether
 a uniform decode step splits (`dispatch`), and which capture sizes get a split twin graph
 (`_maybe_ubatch_twin`: vLLM's rule with AFD's count and planner in place of DBO's count and
-thresholds; a private method, pinned by tests/unit/test_cuda_stages.py, which runs vLLM's own
+thresholds; a private method, pinned by tests/attention/test_cuda_stages.py, which runs vLLM's own
 `_init_candidates` around it).
 """
 

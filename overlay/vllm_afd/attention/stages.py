@@ -6,7 +6,7 @@ vLLM's micro-batching does (`stage_sizes`, the token counts of
 `vllm/v1/worker/ubatch_utils.py:maybe_create_ubatch_slices` after padding), so that the rows each
 stage publishes (`stage_counts`) equal the rows vLLM's slicing makes that stage send.  Requests may
 straddle a stage boundary (a prefill chunk); one-token requests never do (the request ranges:
-tests/unit/_stage_oracles.py).
+tests/attention/_stage_oracles.py).
 """
 
 from __future__ import annotations

@@ -4,6 +4,6 @@
 payload), ``steps`` (what a payload sets), ``handshake`` and ``rendezvous`` (start-up),
 ``watchdog`` (liveness), ``transport`` (the backend interface), ``transports/`` (gloo, NCCL, CUDA IPC) and
 ``connector`` (the engine over a transport). The vLLM-facing layer above it is
-``vllm_afd/connect.py``, the runners and the models; tests/unit/test_wire_is_vllm_free.py pins
+``vllm_afd/connect.py``, the runners and the models; tests/wire/test_wire_is_vllm_free.py pins
 that nothing here imports vLLM.
 """

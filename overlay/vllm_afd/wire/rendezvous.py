@@ -361,7 +361,7 @@ class Rendezvous:
         """Raise ``OSError`` unless something accepts TCP connections at the store's address.
 
         NOTE: the knock closes at once; the store's server sees a peer that closed before it spoke,
-        which it drops without a log line (tests/unit/test_rendezvous.py checks it keeps serving).  A
+        which it drops without a log line (tests/wire/test_rendezvous.py checks it keeps serving).  A
         new TCPStore client stalls ~5 s in 1-2 % of connects with or without a knock before it (measured
         on torch 2.13, 2026-12-01); the short attempt below turns such a stall into one retry.
         """

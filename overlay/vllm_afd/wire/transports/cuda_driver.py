@@ -5,7 +5,7 @@ process, GPU), what the device can do, device memory shared through CUDA IPC, ho
 for the device, and three stream operations (``Op``): an asynchronous copy, a 32-bit write and a
 32-bit wait, enqueued on the caller's stream. The transport's pure parts (slot plan, flag protocol,
 refusals) are therefore tested on CPU with a recording fake in place of this class
-(tests/unit/test_ipc_transport.py). ``libcuda.so.1`` is loaded at the first driver call, never
+(tests/wire/test_ipc_transport.py). ``libcuda.so.1`` is loaded at the first driver call, never
 at import or construction, so CPU-only processes import this module freely.
 """
 

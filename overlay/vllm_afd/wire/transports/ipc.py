@@ -34,7 +34,7 @@ match), which also serves a step of fewer stages than ``num_stages``. Sends neve
 flag write), so ``isend`` enqueues them on the current stream and returns a completed handle. Both
 sides count message positions alike
 (positional protocol), every step is whole exchanges, so a replayed graph begins and ends with
-every flag EMPTY (tests/unit/test_ipc_protocol.py checks this on a simulated device).
+every flag EMPTY (tests/wire/test_ipc_protocol.py checks this on a simulated device).
 
 Failure. A wait is cyclic >= FULL, so ABORT (2^30) releases it like FULL. ``abort()`` stores ABORT
 into every flag this rank waits on and keeps storing it until ``close()``: a released receive resets

@@ -18,12 +18,12 @@ from __future__ import annotations
 from collections import Counter
 
 import torch
-from _ipc_sim import EXPERTS, HIDDEN, FakeDriver, SimDevice, make_transport, open_all
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 from torch.distributed import HashStore
 
+from tests.wire._ipc_sim import EXPERTS, HIDDEN, FakeDriver, SimDevice, make_transport, open_all
 from vllm_afd.wire.placement import A2F, F2A, Placement
 from vllm_afd.wire.transports.ipc import ABORT, EMPTY, FULL
 

@@ -12,11 +12,11 @@ import re
 
 import pytest
 import torch
-from _ipc_sim import EXPERTS, HIDDEN, FakeDriver, SimDevice, make_transport, open_all
 from hypothesis import given
 from hypothesis import strategies as st
 from torch.distributed import HashStore
 
+from tests.wire._ipc_sim import EXPERTS, HIDDEN, FakeDriver, SimDevice, make_transport, open_all
 from vllm_afd.wire.placement import A2F, F2A, Placement
 from vllm_afd.wire.transports.cuda_driver import COPY, WAIT, WRITE, CudaDriver
 from vllm_afd.wire.transports.ipc import (

@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import stage_model
-from _stage_steps import staged_step
+from tests.tools._stage_steps import staged_step
 
 from vllm_afd.wire.timeline import StepRecord
 

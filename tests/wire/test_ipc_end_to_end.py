@@ -11,10 +11,10 @@ import threading
 
 import pytest
 import torch
-from _ipc_sim import FakeDriver, ThreadedSimDevice
 
 from tests.connectors._harness import NUM_EXPERTS, free_port, make_connector, make_placement, make_spec
 from tests.connectors._scenarios import crossing_layers, ffn_compute, make_hidden, make_logits
+from tests.wire._ipc_sim import FakeDriver, ThreadedSimDevice
 
 from vllm_afd.wire.messages import RoutingSpec
 from vllm_afd.wire.transports.ipc import IpcTransport, message_row_bytes

@@ -155,6 +155,6 @@ def test_the_stage_table_divides_each_split_variant_by_its_one_stage_twin_and_pl
 
     lines = e2e_report._stage_lines(bench)
 
-    # No timeline in this bench: the prediction and busy columns read "—" (tests/unit/test_stage_prediction.py).
+    # No timeline in this bench: the prediction and busy columns read "—" (tests/tools/test_stage_prediction.py).
     assert lines[3].splitlines()[-1] == "| m | — | 8 | afd_ipc_graphs_s2 | 300 | 200 | 1.5 | — | — | 400 | 0.75 |"
     assert e2e_report._stage_lines({"models": {"m": {"batches": [8], "variants": {"plain_eager": {}}}}}) == []

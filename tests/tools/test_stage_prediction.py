@@ -17,7 +17,7 @@ import phases
 import serving
 import stage_model
 import stage_prediction
-from _stage_steps import staged_step
+from tests.tools._stage_steps import staged_step
 
 ROOT = Path(__file__).resolve().parents[2]
 

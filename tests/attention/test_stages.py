@@ -1,12 +1,12 @@
 """vllm_afd.attention.stages: the micro-batch stages of one step (docs/pingpong.md, section 3), with the
-request and token ranges of tests/unit/_stage_oracles.py checked against vLLM's split."""
+request and token ranges of tests/attention/_stage_oracles.py checked against vLLM's split."""
 
 import numpy as np
 import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from _stage_oracles import StageRange, plan_stages, split_tokens
+from tests.attention._stage_oracles import StageRange, plan_stages, split_tokens
 from vllm_afd.attention.stages import stage_counts, stage_sizes, stages_for_step
 from vllm_afd.config import NUM_STAGES
 
