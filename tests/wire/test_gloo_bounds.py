@@ -7,33 +7,17 @@ until the peer's exit, torch 2.13), so this bound is what releases a rank stuck 
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 
 import torch
-from torch.distributed import TCPStore
 
-from vllm_afd.wire.placement import A2F, CONTROL, Placement
-from vllm_afd.wire.transports.gloo import GlooTransport
+from tests.wire._gloo_pair import open_gloo_pair
+from vllm_afd.wire.placement import A2F, CONTROL
 
 
-def open_pair() -> tuple[GlooTransport, GlooTransport]:
-    """An FFN and an attention transport joined on loopback (one store client each, as the connectors)."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    stores = [TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False),
-              TCPStore("127.0.0.1", port, is_master=False)]
-    ffn, attention = GlooTransport(torch.device("cpu")), GlooTransport(torch.device("cpu"))
-    opened = [threading.Thread(target=t.open, args=(store, Placement(role, 0, 1, 1, 1, 1), 30.0))
-              for t, role, store in ((ffn, "ffn", stores[0]), (attention, "attention", stores[1]))]
-    for thread in opened:
-        thread.start()
-    for thread in opened:
-        thread.join(30)
-    ffn.stores = attention.stores = stores  # keep the store alive with the groups
-    return ffn, attention
+def open_pair():
+    return open_gloo_pair(torch.device("cpu"))
 
 
 def test_a_data_receive_from_a_silent_peer_fails_at_the_transfer_bound():

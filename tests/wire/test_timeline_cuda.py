@@ -83,29 +83,11 @@ def test_a_captured_graph_stamps_its_slots_at_every_replay():
 
 def test_the_gloo_transport_receives_into_a_gpu_tensor_without_a_host_sync():
     """Pinned staging + a non-blocking copy: the receive does not wait for the GPU (the send must)."""
-    import socket
     import threading
 
-    from torch.distributed import TCPStore
+    from tests.wire._gloo_pair import open_gloo_pair
 
-    from vllm_afd.wire.placement import Placement
-    from vllm_afd.wire.transports.gloo import GlooTransport
-
-    # TCP stores, as the connector's (the gloo transport binds to the interface that reaches the store's
-    # host), one client per rank: two threads on one TCPStore client deadlock in its waits.
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    stores = [TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False),
-              TCPStore("127.0.0.1", port, is_master=False)]
-    ffn = GlooTransport(torch.device("cuda"))
-    attention = GlooTransport(torch.device("cuda"))
-    opened = [threading.Thread(target=t.open, args=(store, Placement(role, 0, 1, 1, 1, 1), 30.0))
-              for t, role, store in ((ffn, "ffn", stores[0]), (attention, "attention", stores[1]))]
-    for thread in opened:
-        thread.start()
-    for thread in opened:
-        thread.join(30)
+    ffn, attention = open_gloo_pair(torch.device("cuda"))
     try:
         sent = torch.arange(64, dtype=torch.float32, device="cuda").reshape(4, 16)
         received = torch.empty_like(sent)
