@@ -253,13 +253,16 @@ def plain_outputs_qwen(plain_outputs):
     return plain_outputs("qwen3_moe", greedy_outputs)["batched"]
 
 
-def stream_until_error(base_url: str, model: str, results: list, index: int) -> None:
-    """Stream a long completion; record (how it ended, when): "error" (an error event or a broken
-    connection), "aborted" (vLLM's finish_reason "abort"), "cut" (the stream closed before its 400
-    tokens with no finish reason: vLLM's fault path does that too, seen in CI) or "ended" (all 400)."""
-    body = {"model": model, "prompt": PROMPTS[index % len(PROMPTS)], "max_tokens": 400,
+STREAM_TOKENS = 480  # as long as the deployment's 512-token context allows: decoding for seconds
+
+
+def stream_until_error(base_url: str, model: str, results: list, chunks: list, index: int) -> None:
+    """Stream a long completion, counting its chunks in `chunks[index]`; record (how it ended, when):
+    "error" (an error event or a broken connection), "aborted" (vLLM's finish_reason "abort"), "cut"
+    (the stream closed early with no finish reason: vLLM's fault path does that too, seen in CI) or
+    "ended" (all STREAM_TOKENS)."""
+    body = {"model": model, "prompt": PROMPTS[index % len(PROMPTS)], "max_tokens": STREAM_TOKENS,
             "ignore_eos": True, "stream": True, "temperature": 0}
-    chunks = 0
     try:
         with requests.post(f"{base_url}/v1/completions", json=body, stream=True,
                            timeout=60) as response:
@@ -271,10 +274,18 @@ def stream_until_error(base_url: str, model: str, results: list, index: int) -> 
                     results[index] = ("aborted", time.monotonic())
                     return
                 if line.startswith(b"data: {"):
-                    chunks += 1
-        results[index] = ("ended" if chunks >= 400 else "cut", time.monotonic())
+                    chunks[index] += 1
+        results[index] = ("ended" if chunks[index] >= STREAM_TOKENS else "cut", time.monotonic())
     except requests.RequestException:
         results[index] = ("error", time.monotonic())
+
+
+def metrics_advanced(before: dict, after: dict) -> bool:
+    """Both roles' pages show steps (and per-layer samples) counted after `before` was scraped."""
+    return all(after[role][("afd_steps_total", role)] > before[role][("afd_steps_total", role)]
+               and after[role][(counted, role)] > before[role][(counted, role)]
+               for role, counted in (("attention", "afd_layer_round_trip_seconds_count"),
+                                     ("ffn", "afd_ffn_compute_seconds_count")))
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe"], indirect=True)
@@ -288,26 +299,35 @@ def test_ffn_killed_mid_stream_then_restarted_under_the_same_attention(deploymen
     try:
         base_url = afd.attention.base_url
         results: list = [None] * 3
+        chunks = [0] * 3
         threads = [threading.Thread(target=stream_until_error,
-                                    args=(base_url, str(model), results, i), daemon=True)
+                                    args=(base_url, str(model), results, chunks, i), daemon=True)
                    for i in range(3)]
         for thread in threads:
             thread.start()
-        # NOTE: 1 s, not 3: on an idle CI machine the three 400-token streams finished in ~4.5 s, before
-        # the kill below (the streams "ended"; CI 2026-12-02).
-        time.sleep(1.0)  # the requests are decoding now
-        # AFD metrics (docs/metrics.md), scraped from both API servers while the engines serve.
+        # NOTE: the kill follows progress, not a fixed sleep: on an idle CI machine the three streams
+        # decode ~130 tokens/s and a fixed 3 s had let them end before the kill (CI 2026-12-02, -04).
+        assert wait_for(lambda: min(chunks) > 0, timeout_s=60.0), (results, chunks)  # all decoding now
+        # AFD metrics (docs/metrics.md), scraped from both API servers while the engines serve; the ranks'
+        # watchers write every 0.5 s.
         urls = {"attention": base_url, "ffn": afd.ffn.base_url}
         first = {role: scrape(url) for role, url in urls.items()}
-        time.sleep(1.5)  # the ranks' watchers write every 0.5 s
-        second = {role: scrape(url) for role, url in urls.items()}
+        second: dict = {}
+
+        def advanced() -> bool:
+            second.update({role: scrape(url) for role, url in urls.items()})
+            return metrics_advanced(first, second)
+
+        assert wait_for(advanced, timeout_s=30.0, interval_s=0.2), (first, second)
 
         attention_pid = afd.attention.process.pid
         killed_at = time.monotonic()
         afd.ffn.kill()  # a crash; the FFN's log stays
+        at_kill = list(chunks)
         for thread in threads:
             thread.join(30)
 
+        assert max(at_kill) < STREAM_TOKENS, f"the streams ended before the kill ({at_kill} chunks): not a test"
         # vLLM's fault tolerance ends the engine's requests as aborted (finish_reason "abort").
         assert all(result is not None and result[0] in ("error", "aborted", "cut") for result in results), results
         assert max(result[1] for result in results) - killed_at < 10.0
@@ -345,12 +365,10 @@ def test_ffn_killed_mid_stream_then_restarted_under_the_same_attention(deploymen
     finally:
         afd.stop()
 
-    for role, counted in (("attention", "afd_layer_round_trip_seconds_count"),
-                          ("ffn", "afd_ffn_compute_seconds_count")):
-        before, after = first[role], second[role]
+    for role in urls:
+        after = second[role]
         assert {key[1] for key in after if key != "vllm_metrics"} == {role} and after["vllm_metrics"] == 1.0
-        assert after[("afd_steps_total", role)] > before[("afd_steps_total", role)] > 0
-        assert after[(counted, role)] > before[(counted, role)] > 0
+        assert first[role][("afd_steps_total", role)] > 0
         assert (after[("afd_peer_up", role)], after[("afd_peer_lost", role)]) == (1.0, 0.0)
         assert after[("afd_rendezvous_seconds", role)] > 0.0
     assert 0.0 < second["attention"][("afd_exposed_transport_share", "attention")] <= 1.0

@@ -36,11 +36,11 @@ def scrape(base_url: str, connector: str | None = None) -> dict[tuple[str, str] 
     return {(name, role) if role else name: value for (name, role, _), value in values.items()}
 
 
-def wait_for(predicate: Callable[[], bool], timeout_s: float = 30.0) -> bool:
-    """Poll ``predicate`` every 0.5 s until it holds or ``timeout_s`` passed; its last value."""
+def wait_for(predicate: Callable[[], bool], timeout_s: float = 30.0, interval_s: float = 0.5) -> bool:
+    """Poll ``predicate`` every ``interval_s`` until it holds or ``timeout_s`` passed; its last value."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if predicate():
             return True
-        time.sleep(0.5)
+        time.sleep(interval_s)
     return predicate()
