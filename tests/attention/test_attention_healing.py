@@ -249,6 +249,7 @@ def cuda_runner(monkeypatch):
     from vllm.v1.worker.gpu.model_runner import GPUModelRunner
 
     from vllm_afd.attention.runner import AFDAttentionModelRunner
+    from vllm_afd.attention.step import AttentionStep
     from vllm_afd.attention.step_gate import LocalStepGate
 
     def make(has_graphs: bool):
@@ -258,7 +259,7 @@ def cuda_runner(monkeypatch):
         runner = object.__new__(AFDAttentionModelRunner)  # no device: only the graph refresh runs
         runner._afd_graphs_pairing = None
         runner.afd_connector = runner.cudagraph_manager = runner._afd_telemetry = parts
-        runner._afd_step_gate, runner._afd_in_step = LocalStepGate(parts), False
+        runner._afd_step_gate, runner.afd_step = LocalStepGate(parts), AttentionStep(parts)
         runner.capture_model()  # start-up
         return runner, parts
 

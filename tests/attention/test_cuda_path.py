@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_afd.attention.payloads import capture_counts, step_counts
+from vllm_afd.attention.step import stage_counts, step_counts
 from vllm_afd.ffn.graphs import graph_key, run_mode
 from vllm_afd.wire.messages import ControlPayload
 
@@ -24,8 +24,8 @@ def test_dp_ranks_publish_vllms_synced_vector_and_check_their_own_entry():
 
 def test_capture_publishes_the_descriptor_size_for_every_dp_rank():
     # Reference test: DP2 capture publishes [64, 64].
-    assert capture_counts(64, 2) == [64, 64]
-    assert capture_counts(1, 1) == [1]
+    assert stage_counts([64], 2) == {0: [64, 64]}
+    assert stage_counts([1], 1) == {0: [1]}
 
 
 def payload(counts_by_stage, **flags):

@@ -21,6 +21,7 @@ from vllm.v1.worker.gpu.cudagraph_utils import BatchExecutionDescriptor  # noqa:
 from vllm_afd.attention.capture import AFDModelCudaGraphManager, CaptureArm  # noqa: E402
 from vllm_afd.attention.cuda_stages import AFDUBatchRunner  # noqa: E402
 from vllm_afd.attention.stages import stage_sizes, stages_for_step  # noqa: E402
+from vllm_afd.attention.step import AttentionStep  # noqa: E402
 
 CAPTURE_SIZES = [1, 2, 4, 8, 16]
 
@@ -47,7 +48,9 @@ def make_manager(num_stages: int, *, arm: CaptureArm | None = None, connector: P
                  min_tokens_per_stage: int = 1, dp_size: int = 1, cudagraph_mode=CUDAGraphMode.FULL_DECODE_ONLY):
     """vLLM's candidates (FULL_DECODE_ONLY, or none) built by vLLM's `_init_candidates` with AFD's twin rule."""
     manager = object.__new__(AFDModelCudaGraphManager)
-    runner = SimpleNamespace(afd_capture_arm=arm or CaptureArm(), afd_connector=connector or Publishes(),
+    connector = connector or Publishes()
+    runner = SimpleNamespace(afd_capture_arm=arm or CaptureArm(), afd_connector=connector,
+                             afd_step=AttentionStep(connector, connector.placement.dp_size),
                              afd_min_tokens_per_stage=min_tokens_per_stage, dp_size=dp_size)
     manager.afd_runner = runner  # the instance's view of the bound class attribute
     manager.vllm_config = SimpleNamespace(speculative_config=None, cache_config=SimpleNamespace())
@@ -256,8 +259,7 @@ def test_a_split_step_publishes_every_stage_rows_and_a_whole_step_its_padded_bat
 
     runner = object.__new__(AFDAttentionModelRunner)
     runner.afd_connector = Publishes()
-    runner._afd_in_profile = False
-    runner.vllm_config = SimpleNamespace(parallel_config=SimpleNamespace(data_parallel_size=1, data_parallel_rank=0))
+    runner.afd_step = AttentionStep(runner.afd_connector)
     desc = BatchExecutionDescriptor(cg_mode=CUDAGraphMode.FULL, num_tokens=8, num_reqs=8, num_ubatches=2)
     state = SimpleNamespace(slices=[UBatchSlice(slice(0, 4), slice(0, 4)), UBatchSlice(slice(4, 8), slice(4, 8))])
 

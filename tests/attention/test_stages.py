@@ -7,7 +7,8 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from tests.attention._stage_oracles import StageRange, plan_stages, split_tokens
-from vllm_afd.attention.stages import stage_counts, stage_sizes, stages_for_step
+from vllm_afd.attention.stages import stage_sizes, stages_for_step
+from vllm_afd.attention.step import stage_counts
 from vllm_afd.config import NUM_STAGES
 
 

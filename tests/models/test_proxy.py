@@ -157,8 +157,8 @@ LOOPBACK = textwrap.dedent('''
     import torch
     from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.forward_context import create_forward_context, override_forward_context
-    from vllm_afd.models.proxy import (SIDECAR_KEY, ForwardSidecar, RemoteFFNProxy, register_afd_ops,
-                                       register_connector)
+    from vllm_afd.attention.step import SIDECAR_KEY, AttentionStep, ForwardSidecar, register_afd_ops, register_step
+    from vllm_afd.models.proxy import RemoteFFNProxy
 
     class LoopbackConnector:
         """Records the exchanges; its "FFN" doubles what was sent."""
@@ -188,7 +188,7 @@ LOOPBACK = textwrap.dedent('''
 
     register_afd_ops()
     connector = LoopbackConnector()
-    sidecar = ForwardSidecar(register_connector(connector), published=True)
+    sidecar = ForwardSidecar(register_step(AttentionStep(connector)), published=True)
     vllm_config = VllmConfig()
     torch.manual_seed(0)
     block, x = Block(), torch.randn(5, 16)
@@ -234,7 +234,7 @@ WHOLE_MODEL = textwrap.dedent('''
     from vllm.model_executor.model_loader import get_model_loader
     from vllm.model_executor.model_loader.utils import initialize_model, process_weights_after_loading
     from vllm.utils.torch_utils import set_default_torch_dtype
-    from vllm_afd.models.proxy import SIDECAR_KEY, ForwardSidecar, register_afd_ops, register_connector
+    from vllm_afd.attention.step import SIDECAR_KEY, AttentionStep, ForwardSidecar, register_afd_ops, register_step
     from vllm_afd.config import parse_afd_config
     from vllm_afd.models.qwen3_moe import AFDQwen3MoeForCausalLM
     from vllm_afd.workers.common import make_role_vllm_config
@@ -253,7 +253,7 @@ WHOLE_MODEL = textwrap.dedent('''
 
     register_afd_ops()
     connector = RecordingConnector()
-    handle = register_connector(connector)
+    handle = register_step(AttentionStep(connector))
     report = {}
     for gate_on_attention in (False, True):
         config = EngineArgs(model=sys.argv[1], skip_tokenizer_init=True, max_model_len=256,

@@ -29,8 +29,7 @@ from typing import Any
 from vllm.config import CUDAGraphMode
 from vllm.v1.worker.gpu.cudagraph_utils import ModelCudaGraphManager
 
-from vllm_afd.attention.payloads import capture_counts
-from vllm_afd.attention.stages import stage_counts, stage_sizes
+from vllm_afd.attention.stages import stage_sizes
 
 
 class CaptureArm:
@@ -59,14 +58,9 @@ class AFDModelCudaGraphManager(ModelCudaGraphManager):
 
     def before_capture_forward(self, desc: Any, warmup: bool) -> None:
         super().before_capture_forward(desc, warmup)
-        connector = self.afd_runner.afd_connector
-        dp_size = connector.placement.dp_size
-        if desc.num_ubatches > 1:  # its stage contexts were armed and built by AFDUBatchRunner.prepare
-            counts = stage_counts(stage_sizes(desc.num_tokens, desc.num_ubatches), dp_size)
-        else:
-            counts = {0: capture_counts(desc.num_tokens, dp_size)}
+        if desc.num_ubatches == 1:  # a split forward's stage contexts were armed by AFDUBatchRunner.prepare
             self.afd_runner.afd_capture_arm.arm()
-        connector.publish(counts, is_warmup=warmup, is_graph_capturing=not warmup)
+        self.afd_runner.afd_step.publish_capture(stage_sizes(desc.num_tokens, desc.num_ubatches), warmup=warmup)
 
     def dispatch(self, num_reqs: int, num_tokens: int, uniform_token_count: int | None, num_active_loras: int,
                  max_query_len: int | None = None, num_ubatches: int = 1) -> Any:

@@ -26,12 +26,11 @@ from vllm.logger import init_logger
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 
 from vllm_afd.attention.mixin import AFDAttentionRunnerMixin
-from vllm_afd.attention.stages import stage_counts, stages_for_step
+from vllm_afd.attention.stages import stages_for_step
+from vllm_afd.attention.step import SIDECAR_KEY, ForwardSidecar
 from vllm_afd.attention.ubatch import CPUStageBaton, run_stages
 from vllm_afd.config import AFDConfig
-from vllm_afd.models.proxy import SIDECAR_KEY, ForwardSidecar
 from vllm_afd.wire.connector import TRANSFER_TIMEOUT_MARGIN_S
-from vllm_afd.wire.errors import AFDError
 from vllm_afd.wire.placement import Placement
 
 logger = init_logger(__name__)
@@ -96,15 +95,11 @@ class AFDCPUAttentionModelRunner(AFDAttentionRunnerMixin, CPUModelRunner):
                 f"{len(slices)} stages; expected a text decoder without pipeline parallelism. Set num_stages to 1"
             )
         # Every DP rank split the same DP-padded count alike (vLLM's vote), so each stage's rows are the same on all.
-        connector = self.afd_connector
-        try:
-            connector.publish(stage_counts([s.num_tokens for s in slices], connector.placement.dp_size))
-        except AFDError as exc:  # NOTE: raised by the step gate at the step's end, on every TP rank
-            connector.defer_failure(exc)
+        self.afd_step.publish_stages([s.num_tokens for s in slices])
         logger.info_once("AFD CPU attention: running steps as %d micro-batch stages", len(slices))
         # A stage waits for the others' turns: their compute and at most one transfer each, which the
         # transport releases by step_timeout_s + TRANSFER_TIMEOUT_MARGIN_S; the baton outlasts that.
-        baton = CPUStageBaton(len(slices), connector.spec.step_timeout_s + 2 * TRANSFER_TIMEOUT_MARGIN_S)
+        baton = CPUStageBaton(len(slices), self.afd_connector.spec.step_timeout_s + 2 * TRANSFER_TIMEOUT_MARGIN_S)
         contexts = [self._afd_stage_context(context, j, s.num_tokens, baton) for j, s in enumerate(slices)]
 
         def forward(stage: int) -> Any:
@@ -136,5 +131,5 @@ class AFDCPUAttentionModelRunner(AFDAttentionRunnerMixin, CPUModelRunner):
             dp_metadata=dp_metadata)
         # NOTE: this context is ours; its rows were published for every stage at once.
         context.additional_kwargs[SIDECAR_KEY] = ForwardSidecar(self._afd_handle, stage=stage, published=True,
-                                                                baton=baton, defer_failures=True)
+                                                                baton=baton)
         return context

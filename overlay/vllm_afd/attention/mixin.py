@@ -18,17 +18,18 @@ from vllm.distributed import get_tp_group
 from vllm.forward_context import ForwardContext, register_forward_context_hook
 
 from vllm_afd.attention.healing import AttentionHealer
+from vllm_afd.attention.step import (
+    SIDECAR_KEY,
+    AttentionStep,
+    ForwardSidecar,
+    register_afd_ops,
+    register_step,
+    unregister_step,
+)
 from vllm_afd.attention.step_gate import make_step_gate
 from vllm_afd.config import AFDConfig
 from vllm_afd.connect import build_connector
 from vllm_afd.metrics import metrics_dir
-from vllm_afd.models.proxy import (
-    SIDECAR_KEY,
-    ForwardSidecar,
-    register_afd_ops,
-    register_connector,
-    unregister_connector,
-)
 from vllm_afd.telemetry import Telemetry
 from vllm_afd.wire.placement import Placement
 from vllm_afd.wire.watchdog import terminate_process
@@ -40,7 +41,7 @@ class AFDAttentionRunnerMixin:
     # V2 publishes each step's payload from its per-step hook (so contexts arrive
     # published); V1 publishes lazily from the first AFD op of each forward context.
     afd_publishes_per_step: bool = False
-    # What the send op yields to the next stage in a split step (models/proxy.py): V2 hands vLLM's
+    # What the send op yields to the next stage in a split step (attention/step.py): V2 hands vLLM's
     # micro-batch threads on (attention/cuda_stages.py); V1's stage contexts carry their own baton.
     afd_stage_baton: Any = None
 
@@ -50,8 +51,6 @@ class AFDAttentionRunnerMixin:
         super().__init__(vllm_config, device)
         self._afd_unhook: Any = None
         self._afd_handle: int | None = None
-        self._afd_in_profile = False
-        self._afd_in_step = False  # inside execute_model: AFD ops defer a failure to the step gate
         self._afd_telemetry: Telemetry | None = None
         self._afd_healer: AttentionHealer | None = None
         self.afd_connector = build_connector(vllm_config, afd_config, placement, self.device,
@@ -60,7 +59,11 @@ class AFDAttentionRunnerMixin:
             if self.afd_connector.can_reform:
                 self._afd_healer = AttentionHealer(self.afd_connector, afd_config.reform_timeout_s, metrics_dir())
             self._afd_telemetry = Telemetry(afd_config, placement, self.afd_connector)
-            self._afd_handle = register_connector(self.afd_connector)
+            # What this runner tells the FFN each step, and the ops' way to its connector (attention/step.py).
+            parallel_config = vllm_config.parallel_config
+            self.afd_step = AttentionStep(self.afd_connector, parallel_config.data_parallel_size,
+                                          parallel_config.data_parallel_rank)
+            self._afd_handle = register_step(self.afd_step)
             tp_group = get_tp_group()
             self._afd_step_gate = make_step_gate(self.afd_connector, tp_group.world_size, tp_group.cpu_group)
             self._afd_unhook = register_forward_context_hook(self._install_afd_sidecar)
@@ -75,11 +78,11 @@ class AFDAttentionRunnerMixin:
         self.afd_connector.init()
 
     def profile_run(self, *args: Any, **kwargs: Any) -> None:
-        self._afd_in_profile = True
+        self.afd_step.in_profile = True
         try:
             super().profile_run(*args, **kwargs)
         finally:
-            self._afd_in_profile = False
+            self.afd_step.in_profile = False
 
     def shutdown(self) -> None:
         try:
@@ -93,7 +96,7 @@ class AFDAttentionRunnerMixin:
         if unhook is not None:
             unhook()
         if self._afd_handle is not None:
-            unregister_connector(self._afd_handle)
+            unregister_step(self._afd_handle)
             self._afd_handle = None
         self.afd_connector.close()
         if self._afd_telemetry is not None:
@@ -118,14 +121,14 @@ class AFDAttentionRunnerMixin:
     # ---- check points ---------------------------------------------------------------
     def execute_model(self, *args: Any, **kwargs: Any) -> Any:
         # NOTE: a failure is raised only through the gate, at both ends of the step, on every TP rank at once
-        # (attention/step_gate.py); inside the step a failed transfer fills zeros (models/proxy.py).
+        # (attention/step_gate.py); inside the step a failed transfer fills zeros (attention/step.py).
         self._afd_step_gate.check()
         self._afd_before_step()
-        self._afd_in_step = True
+        self.afd_step.in_step = True
         try:
             output = super().execute_model(*args, **kwargs)
         finally:
-            self._afd_in_step = False
+            self.afd_step.in_step = False
             self._afd_step_gate.check()
         self._afd_telemetry.after_step()
         return output
@@ -149,5 +152,4 @@ class AFDAttentionRunnerMixin:
         stage = self._afd_context_stage(context)
         if stage is not None:
             context.additional_kwargs[SIDECAR_KEY] = ForwardSidecar(
-                self._afd_handle, stage=stage, published=self.afd_publishes_per_step, is_profile=self._afd_in_profile,
-                baton=self.afd_stage_baton, defer_failures=self._afd_in_step)
+                self._afd_handle, stage=stage, published=self.afd_publishes_per_step, baton=self.afd_stage_baton)

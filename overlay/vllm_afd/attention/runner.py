@@ -29,9 +29,6 @@ from vllm.v1.worker.gpu.model_runner import GPUModelRunner
 from vllm_afd.attention.capture import CaptureArm, bind_cudagraph_manager
 from vllm_afd.attention.cuda_stages import DBO_BATON, AFDUBatchRunner
 from vllm_afd.attention.mixin import AFDAttentionRunnerMixin
-from vllm_afd.attention.payloads import step_counts
-from vllm_afd.attention.stages import stage_counts
-from vllm_afd.wire.errors import AFDError
 
 logger = logging.getLogger(__name__)
 
@@ -85,28 +82,12 @@ class AFDAttentionModelRunner(AFDAttentionRunnerMixin, GPUModelRunner):
     def before_model_forward(self, batch_desc: Any, input_batch: Any, dp_sync: Any,
                              ubatch_state: Any) -> None:
         super().before_model_forward(batch_desc, input_batch, dp_sync, ubatch_state)
-        if ubatch_state is None:
-            counts = {0: self._afd_step_counts(batch_desc, dp_sync)}
-        else:
-            counts = stage_counts([s.num_tokens for s in ubatch_state.slices], self.afd_connector.placement.dp_size)
-        try:
-            self.afd_connector.publish(
-                counts,
-                is_graph_replaying=batch_desc.cg_mode == CUDAGraphMode.FULL,
-                is_profile=self._afd_in_profile,
-            )
-        except AFDError as exc:
-            if not self._afd_in_step:
-                raise
-            self.afd_connector.defer_failure(exc)  # NOTE: the step gate raises it on every TP rank
-
-    def _afd_step_counts(self, batch_desc: Any, dp_sync: Any) -> list[int]:
-        """Rows per attention DP rank for this step, as every rank will send them."""
-        return step_counts(
-            self.vllm_config.parallel_config.data_parallel_size,
-            self.vllm_config.parallel_config.data_parallel_rank,
+        self.afd_step.publish_executed(
             batch_desc.num_tokens,
-            None if dp_sync is None else dp_sync.num_tokens_across_dp.tolist())
+            None if dp_sync is None else dp_sync.num_tokens_across_dp.tolist(),
+            None if ubatch_state is None else [s.num_tokens for s in ubatch_state.slices],
+            is_graph_replaying=batch_desc.cg_mode == CUDAGraphMode.FULL,
+        )
 
     def _afd_context_stage(self, context: ForwardContext) -> int | None:
         # FULL warm-up and capture forwards and micro-batch stages carry no batch descriptor, like

@@ -4,19 +4,18 @@ Pure and vLLM-free, testable on CPU.  The attention decides alone, per step, how
 step runs (`stages_for_step`: 1 or `num_stages`, never in between) and sizes its stages the way
 vLLM's micro-batching does (`stage_sizes`, the token counts of
 `vllm/v1/worker/ubatch_utils.py:maybe_create_ubatch_slices` after padding), so that the rows each
-stage publishes (`stage_counts`) equal the rows vLLM's slicing makes that stage send.  Requests may
-straddle a stage boundary (a prefill chunk); one-token requests never do (the request ranges:
+stage publishes (attention/step.py) equal the rows vLLM's slicing makes that stage send.  Requests
+may straddle a stage boundary (a prefill chunk); one-token requests never do (the request ranges:
 tests/attention/_stage_oracles.py).
 """
 
 from __future__ import annotations
 
 import numbers
-from collections.abc import Sequence
 
 from vllm_afd.config import NUM_STAGES
 
-__all__ = ["stage_counts", "stage_sizes", "stages_for_step"]
+__all__ = ["stage_sizes", "stages_for_step"]
 
 
 def _whole(name: str, value: object, minimum: int) -> int:
@@ -53,12 +52,3 @@ def stage_sizes(num_tokens_padded: int, num_stages: int) -> list[int]:
         )
     step = num_tokens_padded // num_stages
     return [step] * (num_stages - 1) + [num_tokens_padded - step * (num_stages - 1)]
-
-
-def stage_counts(stage_rows: Sequence[int], num_dp_ranks: int) -> dict[int, list[int]]:
-    """The payload's counts from each stage's rows (`stage_sizes`, or a vLLM micro-batch slice's): per stage,
-    its rows for every attention DP rank alike (vLLM pads them so, `UBatchRunner._make_forward_contexts`)."""
-    num_dp_ranks = _whole("num_dp_ranks", num_dp_ranks, 1)
-    if not stage_rows:
-        raise ValueError("AFD stages: no stages; a step runs at least one (stages_for_step)")
-    return {stage: [int(rows)] * num_dp_ranks for stage, rows in enumerate(stage_rows)}

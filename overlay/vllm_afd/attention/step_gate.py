@@ -4,7 +4,7 @@ tensor-parallel rank together (docs/failures.md#22-the-attention-tp-2-stall).
 A failure recorded by one rank (its watchdog, one of its transfers) must not make that rank alone refuse
 a step or leave it halfway: its tensor-parallel peers would wait in one of vLLM's collectives (the first
 layer's all-reduce) for a rank that never comes, and nothing of AFD can release a rank from vLLM's
-collective. So inside a step a failed transfer does not raise (models/proxy.py fills its rows with zeros;
+collective. So inside a step a failed transfer does not raise (attention/step.py fills its rows with zeros;
 the step's result is discarded), and the ranks raise only at the two points every rank reaches: the gate
 all-reduces "has my connector failed?" over the tensor-parallel group's CPU group and raises on every rank
 if any has.

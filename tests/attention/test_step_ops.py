@@ -1,4 +1,4 @@
-"""The transport custom ops of models/proxy.py: registration, fakes, sidecar, lazy publish, compile.
+"""The transport custom ops of attention/step.py: registration, fakes, sidecar, lazy publish, compile.
 
 docs/protocol.md#transport-ops-and-torchcompile and docs/attention.md#forward-context-sidecar say
 what the ops do per call; here a recording connector stands behind them, and at the end two real
@@ -20,8 +20,9 @@ from tests.connectors._vllm_configs import make_vllm_config, write_tiny_model  #
 
 from vllm_afd.config import parse_afd_config  # noqa: E402
 from vllm_afd.connect import build_connector  # noqa: E402
-from vllm_afd.models import proxy  # noqa: E402
-from vllm_afd.models.proxy import SIDECAR_KEY, ForwardSidecar, remote_ffn  # noqa: E402
+from vllm_afd.attention import step as afd_step  # noqa: E402
+from vllm_afd.attention.step import SIDECAR_KEY, AttentionStep, ForwardSidecar  # noqa: E402
+from vllm_afd.models.proxy import remote_ffn  # noqa: E402
 from vllm_afd.wire.errors import AFDPeerLostError  # noqa: E402
 
 
@@ -48,34 +49,36 @@ class RecordingConnector:
 
 @pytest.fixture(scope="module")
 def vllm_config(tmp_path_factory):
-    proxy.register_afd_ops()
+    afd_step.register_afd_ops()
     return make_vllm_config(write_tiny_model(tmp_path_factory.mktemp("tiny")), connector="P2pGlooAFDConnector")
 
 
 @pytest.fixture
 def registered():
+    """Registers an AttentionStep over a connector (``in_step``: inside execute_model; ``in_profile``: vLLM's
+    profile run); returns its handle."""
     handles = []
 
-    def register(connector):
-        handles.append(proxy.register_connector(connector))
+    def register(connector, *, in_step=False, in_profile=False):
+        step = AttentionStep(connector, connector.placement.dp_size)
+        step.in_step, step.in_profile = in_step, in_profile
+        handles.append(afd_step.register_step(step))
         return handles[-1]
 
     yield register
     for handle in handles:
-        proxy.unregister_connector(handle)
+        afd_step.unregister_step(handle)
 
 
-def forward_context(vllm_config, handle, *, stage=0, published=False, is_profile=False, dp_metadata=None,
-                    defer_failures=False):
+def forward_context(vllm_config, handle, *, stage=0, published=False, dp_metadata=None):
     context = create_forward_context(None, vllm_config, dp_metadata=dp_metadata)
-    context.additional_kwargs[SIDECAR_KEY] = ForwardSidecar(handle, stage, published, is_profile,
-                                                            defer_failures=defer_failures)
+    context.additional_kwargs[SIDECAR_KEY] = ForwardSidecar(handle, stage, published)
     return context
 
 
 def test_ops_are_registered_once_with_mutated_tensor_arguments(vllm_config):
-    proxy.register_afd_ops()
-    proxy.register_afd_ops()
+    afd_step.register_afd_ops()
+    afd_step.register_afd_ops()
 
     send_schema = str(torch.ops.vllm_afd.afd_send.default._schema)
     recv_schema = str(torch.ops.vllm_afd.afd_recv.default._schema)
@@ -94,14 +97,14 @@ def test_fake_impls_do_nothing_and_need_no_context(vllm_config):
 
 def test_connector_handles_are_distinct_and_forgotten_once_unregistered(vllm_config):
     connector = RecordingConnector()
-    handle, other = proxy.register_connector(connector), proxy.register_connector(connector)
+    handle, other = afd_step.register_step(AttentionStep(connector)), afd_step.register_step(AttentionStep(connector))
     context = forward_context(vllm_config, handle, published=True)
 
     with override_forward_context(context):
         remote_ffn(torch.zeros(2, 128), None, 0)
-    proxy.unregister_connector(handle)
-    proxy.unregister_connector(handle)
-    proxy.unregister_connector(other)
+    afd_step.unregister_step(handle)
+    afd_step.unregister_step(handle)
+    afd_step.unregister_step(other)
 
     assert other > handle and connector.sends == [(0, 2, False)]
     with override_forward_context(context):
@@ -125,10 +128,10 @@ def test_ops_without_the_sidecar_raise(vllm_config):
 
 def test_the_first_op_of_each_forward_publishes_its_rows_once(vllm_config, registered):
     connector = RecordingConnector()
-    handle = registered(connector)
+    handles = [registered(connector, in_profile=True), registered(connector)]  # vLLM's profile run, then a step
 
     for step, num_rows in enumerate((3, 5)):
-        context = forward_context(vllm_config, handle, is_profile=step == 0)
+        context = forward_context(vllm_config, handles[step])
         with override_forward_context(context):
             for layer in range(3):
                 result = remote_ffn(torch.zeros(num_rows, 128), None, layer)
@@ -204,10 +207,10 @@ def test_inside_a_step_a_failed_exchange_fills_zeros_and_leaves_the_raise_to_the
     """Regression: one TP rank raising mid-step left its peer in vLLM's all-reduce for good; inside a step the
     ops finish the forward (zeros) so every rank reaches the step gate (attention/step_gate.py)."""
     baton, connector = RecordingBaton(), FailedConnector()
-    handle = registered(connector)
+    handle = registered(connector, in_step=True)
     hidden = torch.full((3, 128), 5.0)
 
-    context = forward_context(vllm_config, handle, defer_failures=True)
+    context = forward_context(vllm_config, handle)
     context.additional_kwargs[SIDECAR_KEY].baton = baton
     with override_forward_context(context):
         result = remote_ffn(hidden, None, 0)
