@@ -75,7 +75,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--orig", help="--make-patch: pristine tree")
     parser.add_argument("--new", help="--make-patch: edited tree")
     parser.add_argument("files", nargs="*", help="--make-patch: paths relative to the trees")
-    parser.add_argument("--color", choices=("auto", "never"), default="auto", help="(output is plain)")
     parser.add_argument("-v", "--verbose", action="count", default=0)
     parser.add_argument("-q", "--quiet", action="store_true")
     return parser
