@@ -42,9 +42,10 @@ def _percentile(values: list[float], q: float) -> float:
 def _make_connector(role: str, port: int, hidden: int, dtype: Any, layers: int, device: str) -> Any:
     import torch
 
-    from vllm_afd.wire.connector import AFDConnector, ConnectorSpec
+    from vllm_afd.wire.ends import make_connector
     from vllm_afd.wire.handshake import Fingerprint
     from vllm_afd.wire.placement import Placement
+    from vllm_afd.wire.spec import ConnectorSpec
     from vllm_afd.wire.transports.gloo import GlooTransport
 
     spec = ConnectorSpec(
@@ -58,7 +59,7 @@ def _make_connector(role: str, port: int, hidden: int, dtype: Any, layers: int, 
         dtype=str(dtype).removeprefix("torch."), layer_kinds="M" * layers, num_routed_experts=0,
         graph_mode="eager", device=device,
     )
-    return AFDConnector(spec, placement, GlooTransport(spec.device), fingerprint, terminate=None)
+    return make_connector(spec, placement, GlooTransport(spec.device), fingerprint, terminate=None)
 
 
 def _raw_groups(role: str, port: int) -> tuple[Any, Any, Any]:

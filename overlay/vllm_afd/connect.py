@@ -20,9 +20,12 @@ import torch
 
 from vllm_afd.config import AFDConfig
 from vllm_afd.outage import outage_notice_writer
-from vllm_afd.wire.connector import AFDConnector, ConnectorSpec
+from vllm_afd.wire.attention_end import AttentionConnector
+from vllm_afd.wire.ends import make_connector
+from vllm_afd.wire.ffn_end import FFNConnector
 from vllm_afd.wire.handshake import Fingerprint
-from vllm_afd.wire.placement import Placement
+from vllm_afd.wire.placement import Placement, Role
+from vllm_afd.wire.spec import ConnectorSpec
 from vllm_afd.wire.transport import Transport
 from vllm_afd.wire.watchdog import terminate_process
 
@@ -155,8 +158,8 @@ def build_fingerprint(vllm_config: VllmConfig, afd_config: AFDConfig, placement:
 def build_connector(
     vllm_config: VllmConfig, afd_config: AFDConfig, placement: Placement, device: torch.device, *,
     terminate: Callable[[BaseException], None] = terminate_process,
-) -> AFDConnector:
-    """The configured connector for this rank, constructed without communication.
+) -> AttentionConnector | FFNConnector:
+    """The configured end for this rank's role (wire/ends.py), constructed without communication.
 
     ``terminate``: what an unobserved failure ends in (a healing attention re-forms instead).
     """
@@ -182,13 +185,14 @@ def build_connector(
         num_stages=afd_config.num_stages,
     )
     factory = TRANSPORTS[afd_config.connector]
-    reform = afd_config.reform_timeout_s > 0 and (afd_config.role == "ffn" or attention_heals(vllm_config, afd_config))
+    reform = afd_config.reform_timeout_s > 0 and (
+        placement.role is Role.FFN or attention_heals(vllm_config, afd_config))
     # NOTE: the attention's API server answers 503 from the moment of the failure (outage.py).
     notice = None
-    if afd_config.role == "attention":
+    if placement.role is Role.ATTENTION:
         notice = outage_notice_writer(afd_config.reform_timeout_s if reform else None)
-    return AFDConnector(spec, placement, factory(device, spec), fingerprint, terminate=terminate,
-                        new_transport=(lambda: factory(device, spec)) if reform else None, on_failure=notice)
+    return make_connector(spec, placement, factory(device, spec), fingerprint, terminate=terminate,
+                          new_transport=(lambda: factory(device, spec)) if reform else None, on_failure=notice)
 
 
 def attention_heals(vllm_config: VllmConfig, afd_config: AFDConfig) -> bool:

@@ -36,6 +36,7 @@ from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.utils import floatToGoString
 
 from vllm_afd.wire.timeline import A2F_SEND_START, F2A_RECV_END, StepRecord
+from vllm_afd.wire.placement import Role
 
 __all__ = [
     "BUCKETS_S",
@@ -113,7 +114,7 @@ def expose_worker_metrics(registry: CollectorRegistry = REGISTRY) -> None:
     os.environ[METRICS_DIR_ENV] = exposed.name
 
 
-def make_rank_metrics(role: str, role_rank: int, connector_name: str, connector: Any) -> AFDMetrics | None:
+def make_rank_metrics(role: Role, role_rank: int, connector_name: str, connector: Any) -> AFDMetrics | None:
     """One rank's metrics, watching ``connector``; None (logged) where no directory is set."""
     directory = metrics_dir()
     if directory is None:
@@ -211,9 +212,9 @@ class AFDMetrics:
     state and writes the files, so the step never waits for the metrics' lock or an mmap write.
     """
 
-    def __init__(self, directory: str, role: str, role_rank: int, connector_name: str) -> None:
-        self.role = role
-        self.labels = dict(zip(LABEL_NAMES, (role, str(role_rank), connector_name)))
+    def __init__(self, directory: str, role: Role, role_rank: int, connector_name: str) -> None:
+        self.role = Role(role)
+        self.labels = dict(zip(LABEL_NAMES, (self.role.value, str(role_rank), connector_name)))
         self.steps = 0
         self.exposed_ns = 0
         self.loop_ns = 0
@@ -231,14 +232,14 @@ class AFDMetrics:
         self._thread: threading.Thread | None = None
         self._connector: Any = None
         self._keys: dict[str, str] = {}
-        name = "afd_layer_round_trip_seconds" if role == "attention" else "afd_ffn_compute_seconds"
+        name = "afd_layer_round_trip_seconds" if self.role is Role.ATTENTION else "afd_ffn_compute_seconds"
         self.histogram = _Histogram(name, self.labels)
         ident = f"afd-{role}-{role_rank}-{os.getpid()}-{next(_writer_ids)}"
         self._files = _Files(directory, ident)
         with self._lock:
             self._write_steps()
             self._write_histogram(range(len(self.histogram.counts)))
-            if role == "attention":
+            if self.role is Role.ATTENTION:
                 self._write_share()
             self._set_peer_state(False, False)
 
@@ -326,7 +327,7 @@ class AFDMetrics:
         records = [r for r in records if not (r.warmup or r.profile)]
         touched: set[int] = set()
         for record in records:
-            if self.role == "attention":
+            if self.role is Role.ATTENTION:
                 intervals = round_trip_intervals(record)
                 self.histogram.observe_ns([end - start for start, end in intervals], touched)
                 busy, span = exposed_transport_ns(intervals)
@@ -343,7 +344,7 @@ class AFDMetrics:
                 self.histogram.observe_ns(record.ffn_compute_ns(), touched)
         if records:
             self._write_histogram(touched)
-            if self.role == "attention":
+            if self.role is Role.ATTENTION:
                 self._write_share()
 
     def _set_peer_state(self, up: bool, lost: bool) -> None:

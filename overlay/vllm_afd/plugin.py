@@ -25,6 +25,7 @@ import os
 from typing import TYPE_CHECKING
 
 from vllm_afd.config import parse_afd_config
+from vllm_afd.wire.placement import Role
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -113,7 +114,7 @@ def apply_afd_config(vllm_config: VllmConfig) -> None:
         parallel.worker_cls = worker_class_for(platform, afd.role)
     else:
         check_worker_stack(parallel.worker_cls, platform, afd.role)
-    if afd.role == "ffn":
+    if afd.role == Role.FFN:
         # NOTE: the FFN reports no KV cache; vLLM's scheduler tolerates a KV-less
         # config only without prefix caching (as for attention-free models).
         vllm_config.cache_config.enable_prefix_caching = False

@@ -12,16 +12,17 @@ from typing import TYPE_CHECKING
 
 from vllm_afd.config import AFDConfig
 from vllm_afd.releases import compile_sequence_parallelism
+from vllm_afd.wire.placement import Role
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
 # Worker classes per (platform, role); the config hook and the stack check share them.
-WORKER_CLASSES: dict[tuple[str, str], str] = {
-    ("cuda", "attention"): "vllm_afd.workers.cuda.AFDAttentionWorker",
-    ("cuda", "ffn"): "vllm_afd.workers.cuda.AFDFFNWorker",
-    ("cpu", "attention"): "vllm_afd.workers.cpu.AFDCPUAttentionWorker",
-    ("cpu", "ffn"): "vllm_afd.workers.cpu.AFDCPUFFNWorker",
+WORKER_CLASSES: dict[tuple[str, Role], str] = {
+    ("cuda", Role.ATTENTION): "vllm_afd.workers.cuda.AFDAttentionWorker",
+    ("cuda", Role.FFN): "vllm_afd.workers.cuda.AFDFFNWorker",
+    ("cpu", Role.ATTENTION): "vllm_afd.workers.cpu.AFDCPUAttentionWorker",
+    ("cpu", Role.FFN): "vllm_afd.workers.cpu.AFDCPUFFNWorker",
 }
 # The platform default worker each AFD worker replaces when `worker_cls` is "auto".
 PLATFORM_DEFAULT_WORKERS: dict[str, str] = {
@@ -134,8 +135,8 @@ def check_features(vllm_config: VllmConfig, afd: AFDConfig, platform: str) -> No
     _require_size_one("decode_context_parallel_size", parallel.decode_context_parallel_size)
 
     num_role_ranks = parallel.data_parallel_size * parallel.tensor_parallel_size
-    expected = afd.num_attention_ranks if role == "attention" else afd.num_ffn_ranks
-    field = "num_attention_ranks" if role == "attention" else "num_ffn_ranks"
+    expected = afd.num_attention_ranks if role == Role.ATTENTION else afd.num_ffn_ranks
+    field = "num_attention_ranks" if role == Role.ATTENTION else "num_ffn_ranks"
     if num_role_ranks != expected:
         raise ValueError(
             f"{field} ({expected}) must equal {role} DP x TP "
@@ -144,7 +145,7 @@ def check_features(vllm_config: VllmConfig, afd: AFDConfig, platform: str) -> No
             "--tensor-parallel-size."
         )
 
-    if role == "ffn" and parallel.data_parallel_size > 1:
+    if role == Role.FFN and parallel.data_parallel_size > 1:
         # NOTE: FFN DP ranks would need FFN-level DPMetadata for vLLM's MoE dispatch
         # (docs/topology.md#row-counts); not built or tested yet, so refuse instead of hanging.
         raise ValueError(
@@ -174,7 +175,7 @@ def check_cpu_mla(vllm_config: VllmConfig, role: str, platform: str) -> None:
     """vLLM's CPU MLA backend serves only a 512 + 64 latent
     (docs/models.md#platforms-test-models-and-gate-placement)."""
     model_config = vllm_config.model_config
-    if platform != "cpu" or role != "attention" or not model_config.use_mla:
+    if platform != "cpu" or role != Role.ATTENTION or not model_config.use_mla:
         return
     hf = model_config.hf_text_config
     if (hf.kv_lora_rank, hf.qk_rope_head_dim) != (512, 64):

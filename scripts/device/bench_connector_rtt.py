@@ -119,9 +119,10 @@ def _connector(role: str, port: int, hidden: int, num_layers: int, device: Any, 
     import torch
 
     import vllm_afd
-    from vllm_afd.wire.connector import AFDConnector, ConnectorSpec
+    from vllm_afd.wire.ends import make_connector
     from vllm_afd.wire.handshake import Fingerprint
     from vllm_afd.wire.placement import Placement
+    from vllm_afd.wire.spec import ConnectorSpec
     from vllm_afd.wire.transports.gloo import GlooTransport
 
     spec = ConnectorSpec(
@@ -136,7 +137,7 @@ def _connector(role: str, port: int, hidden: int, num_layers: int, device: Any, 
         num_hidden_layers=num_layers, dtype="bfloat16", layer_kinds="M" * num_layers,
         num_routed_experts=NUM_EXPERTS, graph_mode="eager", device=str(device),
     )
-    return AFDConnector(spec, placement, GlooTransport(device), fingerprint, terminate=None)
+    return make_connector(spec, placement, GlooTransport(device), fingerprint, terminate=None)
 
 
 def _connector_pingpong(role: str, connector: Any, shape: tuple[int, int], device: Any, num_layers: int,

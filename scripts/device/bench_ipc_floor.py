@@ -44,9 +44,10 @@ def _connector(role: str, port: int, shape: tuple[int, int], layers: int, timeou
 
     import vllm_afd
     from vllm_afd.connect import TRANSPORTS
-    from vllm_afd.wire.connector import AFDConnector, ConnectorSpec
+    from vllm_afd.wire.ends import make_connector
     from vllm_afd.wire.handshake import Fingerprint
     from vllm_afd.wire.placement import Placement
+    from vllm_afd.wire.spec import ConnectorSpec
 
     device = torch.device("cuda", 0)
     spec = ConnectorSpec(name=CONNECTOR, hidden_size=shape[1], dtype=torch.bfloat16, device=device, host="127.0.0.1",
@@ -57,7 +58,7 @@ def _connector(role: str, port: int, shape: tuple[int, int], layers: int, timeou
         placement, connector=CONNECTOR, compute_gate_on_attention=False, pid=0, overlay_version=vllm_afd.__version__,
         vllm_version="bench", architecture="Bench", hidden_size=shape[1], num_hidden_layers=layers, dtype="bfloat16",
         layer_kinds="M" * layers, num_routed_experts=8, graph_mode="eager", device="cuda")
-    return AFDConnector(spec, placement, TRANSPORTS[CONNECTOR](device, spec), fingerprint, terminate=None)
+    return make_connector(spec, placement, TRANSPORTS[CONNECTOR](device, spec), fingerprint, terminate=None)
 
 
 def _timed_steps(role: str, step: Any, spec: dict[str, Any], per_step: Any = None) -> list[float]:

@@ -1,11 +1,11 @@
 """Connector test kit: spec, placement and fingerprint builders, an in-memory transport, a worker pool.
 
-``make_spec``/``make_placement``/``make_connector`` build real ``AFDConnector``s at small sizes
-(gloo unless a transport is given). ``QueueTransport`` is the in-memory ``Transport`` of the
-in-process tests: it records every tensor on the wire. ``WorkerPool`` runs rank bodies in
-``spawn``ed processes (torch and threads do not survive ``fork``): a top-level function of this
-module or a test module, reporting a picklable result (or the formatted exception) through a queue.
-Every wait has a timeout; leftovers are killed by pid.
+``make_spec``/``make_placement``/``make_connector`` build real connector ends (``AttentionConnector``,
+``FFNConnector``) at small sizes (gloo unless a transport is given). ``QueueTransport`` is the
+in-memory ``Transport`` of the in-process tests: it records every tensor on the wire. ``WorkerPool``
+runs rank bodies in ``spawn``ed processes (torch and threads do not survive ``fork``): a top-level
+function of this module or a test module, reporting a picklable result (or the formatted exception)
+through a queue. Every wait has a timeout; leftovers are killed by pid.
 """
 
 from __future__ import annotations
@@ -23,9 +23,13 @@ from typing import Any
 
 import torch
 
-from vllm_afd.wire.connector import AFDConnector, ConnectorSpec
+from vllm_afd.wire.attention_end import AttentionConnector
+from vllm_afd.wire.connector import AFDConnector
+from vllm_afd.wire.ends import make_connector as make_end
+from vllm_afd.wire.ffn_end import FFNConnector
 from vllm_afd.wire.handshake import Fingerprint
 from vllm_afd.wire.placement import CONTROL, Placement
+from vllm_afd.wire.spec import ConnectorSpec
 from vllm_afd.wire.transport import DONE, SendHandle, Transport
 from vllm_afd.wire.transports.gloo import GlooTransport
 
@@ -71,16 +75,16 @@ def make_fingerprint(placement: Placement, **overrides: Any) -> Fingerprint:
 
 def make_connector(spec: ConnectorSpec, placement: Placement, *, transport: Transport | None = None,
                    terminate: Callable[[BaseException], None] | None = None, reformable: bool = False,
-                   **fingerprint_overrides: Any) -> AFDConnector:
-    """A connector (gloo unless told) whose fingerprint agrees with ``spec`` unless overridden;
+                   **fingerprint_overrides: Any) -> AttentionConnector | FFNConnector:
+    """The end for ``placement``'s role (gloo unless told) whose fingerprint agrees with ``spec`` unless overridden;
     ``reformable``: it can ``reform()`` over a fresh gloo transport."""
     facts = dict(dtype=str(spec.dtype).removeprefix("torch."), hidden_size=spec.hidden_size,
                  compute_gate_on_attention=spec.router_logits_width is not None, connector=spec.name,
                  num_stages=spec.num_stages)
     facts.update(fingerprint_overrides)
     fingerprint = make_fingerprint(placement, **facts)
-    return AFDConnector(spec, placement, transport or GlooTransport(spec.device), fingerprint, terminate=terminate,
-                        new_transport=(lambda: GlooTransport(spec.device)) if reformable else None)
+    return make_end(spec, placement, transport or GlooTransport(spec.device), fingerprint, terminate=terminate,
+                    new_transport=(lambda: GlooTransport(spec.device)) if reformable else None)
 
 
 def new_wire() -> defaultdict[tuple[str, int, int], deque]:

@@ -14,7 +14,8 @@ from typing import Any
 import torch
 from tests.connectors._harness import HIDDEN_SIZE, NUM_EXPERTS, make_connector, make_placement, make_spec
 
-from vllm_afd.wire.connector import AFDConnector
+from vllm_afd.wire.attention_end import AttentionConnector
+from vllm_afd.wire.ffn_end import FFNConnector
 from vllm_afd.wire.messages import RoutingSpec
 from vllm_afd.wire.placement import CONTROL
 
@@ -90,7 +91,7 @@ def exchange(role: str, rank: int, num_attention: int, num_ffn: int, port: int, 
             "initialized_after_close": connector.is_initialized}
 
 
-def _attention_exchange(connector: AFDConnector, rank: int, step: int, layer: int, stage: int, count: int,
+def _attention_exchange(connector: AttentionConnector, rank: int, step: int, layer: int, stage: int, count: int,
                         dtype: torch.dtype, gate: bool, probe: bool, errors: list[str], device: torch.device) -> None:
     num_rows = max(1, count)
     hidden = make_hidden(rank, step, layer, stage, num_rows, dtype, device)
@@ -112,7 +113,7 @@ def _attention_exchange(connector: AFDConnector, rank: int, step: int, layer: in
     assert torch.equal(out, expected), f"rank {rank} step {step} layer {layer}: wrong FFN result"
 
 
-def _ffn_exchange(connector: AFDConnector, layer: int, stage: int, gate: bool) -> None:
+def _ffn_exchange(connector: FFNConnector, layer: int, stage: int, gate: bool) -> None:
     routing = RoutingSpec(NUM_EXPERTS, torch.float32) if gate else None
     batch = connector.recv_a2f(stage, routing)
     assert (batch.router_logits is not None) == gate

@@ -24,10 +24,12 @@ from tests.connectors._harness import (
     pending,
 )
 
-from vllm_afd.wire.connector import MAX_CONTROL_BYTES
+from vllm_afd.wire.attention_end import AttentionConnector
 from vllm_afd.wire.errors import AFDPeerLostError, AFDProtocolError, AFDRendezvousTimeout
+from vllm_afd.wire.ffn_end import MAX_CONTROL_BYTES, FFNConnector
 from vllm_afd.wire.messages import ControlPayload, RoutingSpec
 from vllm_afd.wire.placement import CONTROL
+from vllm_afd.wire.watchdog import NULL_WATCHDOG, Watchdog
 
 BF16 = torch.bfloat16
 
@@ -50,9 +52,12 @@ def test_close_is_safe_uninitialised_and_repeated():
 def test_every_call_before_init_says_not_initialized(role):
     connector = make_connector(make_spec(free_port()), make_placement(role, 0, 1, 1))
     rows = torch.zeros(1, 64, dtype=BF16)
-    calls = [connector.mark_startup_done, lambda: connector.publish({0: [1]}), connector.next_step,
-             lambda: connector.send_a2f(0, rows), lambda: connector.recv_f2a(0, rows),
-             lambda: connector.recv_a2f(0), lambda: connector.send_f2a(0, rows)]
+    if role == "attention":
+        calls = [connector.mark_startup_done, lambda: connector.publish({0: [1]}),
+                 lambda: connector.send_a2f(0, rows), lambda: connector.recv_f2a(0, rows)]
+    else:
+        calls = [connector.next_step, lambda: connector.recv_a2f(0), lambda: connector.send_f2a(0, rows),
+                 connector.wait_sends]
 
     for call in calls:
         with pytest.raises(RuntimeError, match="the AFD connector is not initialized; expected an initialised"):
@@ -126,7 +131,20 @@ def deploy():
             connector.close()
 
 
-def test_role_and_shape_checks_raise_before_sending(deploy):
+def test_each_end_has_only_its_roles_calls():
+    ffn = make_connector(make_spec(free_port()), make_placement("ffn", 0, 1, 1))
+    attention = make_connector(make_spec(free_port()), make_placement("attention", 0, 1, 1))
+    attention_only = ("publish", "send_a2f", "recv_f2a", "defer_failure", "take_step_failure", "mark_startup_done")
+    ffn_only = ("next_step", "recv_a2f", "send_f2a", "wait_sends")
+
+    assert isinstance(attention, AttentionConnector) and isinstance(ffn, FFNConnector)
+    assert all(callable(getattr(attention, name)) for name in attention_only)
+    assert all(callable(getattr(ffn, name)) for name in ffn_only)
+    assert [name for name in ffn_only if hasattr(attention, name)] == []
+    assert [name for name in attention_only if hasattr(ffn, name)] == []
+
+
+def test_shape_checks_raise_before_sending(deploy):
     wire, (ffn, attention) = deploy(exchanges_per_stage=1)
     attention.publish({0: [3]})
     ffn.next_step()
@@ -144,12 +162,6 @@ def test_role_and_shape_checks_raise_before_sending(deploy):
             attention.send_a2f(0, tensor)
     with pytest.raises(ValueError, match="router logits given with compute_gate_on_attention=false"):
         attention.send_a2f(0, good, torch.zeros(3, 8))
-    with pytest.raises(RuntimeError, match="recv_a2f is a ffn-side call, but this is attention rank 0"):
-        attention.recv_a2f(0)
-    with pytest.raises(RuntimeError, match="next_step is a ffn-side call"):
-        attention.next_step()
-    with pytest.raises(RuntimeError, match="publish is a attention-side call, but this is ffn rank 0"):
-        ffn.publish({0: [1]})
     with pytest.raises(RuntimeError, match="no published rows for stage 1 \\(stages \\[0\\]\\)"):
         attention.send_a2f(1, good)
     with pytest.raises(ValueError, match="have 2 entries; expected one per attention DP rank \\(1\\)"):
@@ -296,6 +308,21 @@ def test_a_transport_error_is_a_sticky_lost_peer_naming_the_exchange():
     finally:
         for connector in connectors:
             connector.close()
+
+
+def test_the_watchdog_is_the_null_one_before_init_and_after_close():
+    wire, port = new_wire(), free_port()
+    ffn, attention = (make_connector(make_spec(port), make_placement(role, 0, 1, 1), transport=QueueTransport(wire))
+                      for role in ("ffn", "attention"))
+    assert ffn._watchdog is NULL_WATCHDOG and attention._watchdog is NULL_WATCHDOG
+
+    init_all([ffn, attention])
+    watching = attention._watchdog
+    ffn.close()
+    attention.close()
+
+    assert isinstance(watching, Watchdog) and not watching.is_alive
+    assert ffn._watchdog is NULL_WATCHDOG and attention._watchdog is NULL_WATCHDOG
 
 
 def test_a_graph_replay_step_is_not_timed(deploy):

@@ -27,7 +27,9 @@ from tests.connectors._harness import (
     pending,
 )
 
+from vllm_afd.wire.attention_end import AttentionConnector
 from vllm_afd.wire.connector import AFDConnector
+from vllm_afd.wire.ffn_end import FFNConnector
 from vllm_afd.wire.placement import A2F, F2A
 
 NUM_LAYERS = 2
@@ -57,7 +59,7 @@ class ExchangeMachine(RuleBasedStateMachine):
         self.served = False
         self.closed = False
 
-    def _connector(self, role: str, rank: int, port: int) -> AFDConnector:
+    def _connector(self, role: str, rank: int, port: int) -> AttentionConnector | FFNConnector:
         spec = make_spec(port, dtype=torch.float32, exchanges_per_stage=NUM_LAYERS)
         return make_connector(spec, make_placement(role, rank, 2, 1), transport=QueueTransport(self.wire))
 
@@ -150,8 +152,11 @@ class ExchangeMachine(RuleBasedStateMachine):
     def calls_after_shutdown_raise(self):
         for connector in self.everyone:
             connector.close()
+        for attention in self.attention:
             with pytest.raises(RuntimeError, match="the AFD connector is closed"):
-                connector.recv_a2f(0)  # closed is reported before the role check
+                attention.recv_f2a(0, torch.zeros(1, HIDDEN))
+        with pytest.raises(RuntimeError, match="the AFD connector is closed"):
+            self.ffn.recv_a2f(0)
         with pytest.raises(RuntimeError, match="the AFD connector is closed"):
             self.ffn.next_step()
 

@@ -1,12 +1,13 @@
 """vllm_afd.wire.placement: one rank's role, rank, groups and peers (docs/topology.md#placement)."""
 
 import dataclasses
+import json
 
 import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from vllm_afd.wire.placement import A2F, CONTROL, F2A, Placement
+from vllm_afd.wire.placement import A2F, CONTROL, F2A, Placement, Role
 from vllm_afd.wire.topology import attention_block, compute_role_rank, ffn_rank_for_attention
 
 
@@ -234,3 +235,13 @@ def test_for_rank_refuses_a_dp_rank_counted_twice():
     with pytest.raises(ValueError, match="AFD role rank derived from distributed ranks is out of range: role=ffn, "
                                          "dp_rank=2, tp_rank=0, role_size=2"):
         Placement.for_rank("ffn", 4, 2, dp_rank=2, tp_rank=0, dp_size=2, tp_size=1)
+
+
+@pytest.mark.parametrize("given_role", ["attention", "ffn"])
+def test_the_role_string_is_parsed_to_a_role_that_still_reads_as_the_string(given_role):
+    placement = Placement(given_role, 0, 1, 1)
+
+    assert placement.role is Role(given_role)
+    assert placement.role == given_role and str(placement.role) == given_role and f"{placement.role}" == given_role
+    assert placement == Placement(Role(given_role), 0, 1, 1)
+    assert json.dumps({"role": placement.role}) == json.dumps({"role": given_role})

@@ -10,7 +10,17 @@ from hypothesis import strategies as st
 
 from vllm_afd.wire.clocks import HostClock
 from vllm_afd.wire.messages import ControlPayload
-from vllm_afd.wire.timeline import ATTENTION_MARKS, FFN_MARKS, Mark, StepRecord, Timeline, step_layout
+from vllm_afd.wire.placement import Role
+from vllm_afd.wire.timeline import (
+    ATTENTION_MARKS,
+    FFN_MARKS,
+    NULL_TIMELINE,
+    Mark,
+    StepRecord,
+    Timeline,
+    make_timeline,
+    step_layout,
+)
 
 from tests.connectors._harness import (
     QueueTransport,
@@ -162,7 +172,31 @@ def test_the_connector_stamps_every_exchange_of_both_roles():
 
 def test_the_timeline_is_off_without_a_clock():
     connector = make_connector(make_spec(free_port()), make_placement("attention", 0, 1, 1))
-    assert connector.take_records() == [] and connector.timeline is None
+    assert connector.take_records() == [] and not connector.timeline.enabled
+
+
+def test_the_null_timeline_takes_every_call_and_keeps_nothing():
+    timeline = make_timeline(None, Role.ATTENTION, 0, 3, torch.device("cpu"))
+
+    timeline.open_step(ControlPayload({0: (2,)}, step_seq=0), 2)
+    timeline.mark(ATTENTION_MARKS[0], 0)
+    timeline.count_host_sync(2)
+    timeline.step_closed()
+    timeline.close()
+
+    assert timeline is NULL_TIMELINE and not timeline.enabled
+    assert timeline.take_records() == []
+
+
+def test_a_clock_makes_a_real_timeline_with_slots_for_every_stage():
+    timeline = make_timeline("host", Role.FFN, 1, 3, torch.device("cpu"))
+
+    assert isinstance(timeline, Timeline) and timeline.enabled
+    assert (timeline.role, timeline.role_rank, timeline.clock.name) == (Role.FFN, 1, "host")
+    timeline.open_step(ControlPayload({stage: (1,) for stage in range(4)}, step_seq=0), 4)
+    for position in range(3 * 4):  # the widest step: 4 stages of 3 exchanges, 4 FFN marks each
+        for kind in FFN_MARKS:
+            timeline.mark(kind, position)
 
 
 def test_the_device_clock_refuses_a_cpu_device():

@@ -18,7 +18,7 @@ from torch.distributed import TCPStore
 from vllm_afd.wire.errors import AFDPeerLostError, AFDStepTimeoutError
 from vllm_afd.wire.placement import Placement
 from vllm_afd.wire.rendezvous import rank_key
-from vllm_afd.wire.watchdog import STARTUP_DONE_KEY, FailureLatch, Watchdog, WatchdogSpec
+from vllm_afd.wire.watchdog import NULL_WATCHDOG, STARTUP_DONE_KEY, FailureLatch, Watchdog, WatchdogSpec
 
 
 class Recorder:
@@ -369,3 +369,16 @@ def test_a_peer_that_has_not_beaten_yet_is_starting_not_silent():
 
     assert 0.3 <= elapsed <= 1.5
     assert str(latch.failure).startswith("AFD peer lost: attention rank 0 silent for ")
+
+
+def test_the_null_watchdog_times_nothing_and_stops_at_once():
+    started = time.monotonic()
+
+    NULL_WATCHDOG.step_opened(3)
+    NULL_WATCHDOG.transfer_started("a2f receive from attention rank 0")
+    NULL_WATCHDOG.transfer_finished()
+    NULL_WATCHDOG.step_closed()
+    NULL_WATCHDOG.stop(5.0)
+
+    assert not NULL_WATCHDOG.armed
+    assert time.monotonic() - started < 0.1

@@ -26,6 +26,7 @@ from vllm.model_executor.models.utils import PPMissingLayer, extract_layer_index
 from vllm_afd.config import afd_config_of
 from vllm_afd.models.proxy import RemoteFFNProxy
 from vllm_afd.models.split import filter_weights, moe_layer_indices, num_routed_experts
+from vllm_afd.wire.placement import Role
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -53,7 +54,7 @@ ModuleFactory = Callable[..., nn.Module]
 class AFDSettings(NamedTuple):
     """The two AFD facts model construction depends on."""
 
-    role: str  # "attention" | "ffn"
+    role: str  # a Role's value: "attention" | "ffn"
     gate_on_attention: bool  # compute_gate_on_attention
 
 
@@ -99,7 +100,7 @@ def mlp_kind(role: str, gate_on_attention: bool, is_moe: bool) -> str:
     the gate is on attention); "native": the native MLP or MoE block; "experts": the model's
     MoE block without internal router; "placeholder": `Absent`.
     """
-    if role == "attention":
+    if role == Role.ATTENTION:
         if is_moe:
             return "moe_proxy"
         return "native" if gate_on_attention else "proxy"
@@ -110,7 +111,7 @@ def mlp_kind(role: str, gate_on_attention: bool, is_moe: bool) -> str:
 
 def attention_only(settings: AFDSettings, native_cls: type[nn.Module]) -> type[nn.Module]:
     """`native_cls` on the attention role; `Absent` on the FFN role, which does not own it."""
-    return native_cls if settings.role == "attention" else Absent
+    return native_cls if settings.role == Role.ATTENTION else Absent
 
 
 def dense_mlp_cls(settings: AFDSettings, native_cls: type[nn.Module]) -> type[nn.Module]:
@@ -178,7 +179,7 @@ class AFDCausalLMMixin:
                 "Check the checkpoint's MoE settings."
             )
         example = blocks[-1]
-        ffn = self.afd_settings.role == "ffn"
+        ffn = self.afd_settings.role == Role.FFN
         self.moe_layers = [block.experts for block in blocks] if ffn else []
         self.num_moe_layers = len(self.moe_layers)
         self.num_expert_groups = num_expert_groups
@@ -246,7 +247,7 @@ class AFDCausalLMMixin:
         self, caller: str, layer_idx: int, want_moe: bool | None, want_ffn: bool = True
     ) -> bool:
         where = f"{type(self).__name__}.{caller}"
-        if want_ffn and self.afd_settings.role != "ffn":
+        if want_ffn and self.afd_settings.role != Role.FFN:
             raise RuntimeError(
                 f"{where}: this model was built for role {self.afd_settings.role!r}; expected "
                 "'ffn'. Only the FFN role computes MLP and MoE outputs."

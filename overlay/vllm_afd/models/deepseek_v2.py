@@ -41,6 +41,7 @@ from vllm_afd.models.base import (
     moe_block_cls,
 )
 from vllm_afd.models.proxy import RemoteMoEProxyMixin
+from vllm_afd.wire.placement import Role
 
 __all__ = [
     "AFDDeepseekV2DecoderLayer",
@@ -145,7 +146,7 @@ class AFDDeepseekV2DecoderLayer(DeepseekV2DecoderLayer):
     @property
     def self_attn_cls(self) -> type[nn.Module] | None:
         # None keeps the attention class the config selects (MHA, MLA or MLA in MHA form).
-        return None if self.afd_settings.role == "attention" else Absent
+        return None if self.afd_settings.role == Role.ATTENTION else Absent
 
     @property
     def norm_cls(self) -> type[nn.Module]:
@@ -228,7 +229,7 @@ class AFDDeepseekV2ForCausalLM(AFDCausalLMMixin, DeepseekV2ForCausalLM):
             num_expert_groups=getattr(self.config, "n_group", 1),
             num_shared_experts=self.config.n_shared_experts,
         )
-        self.moe_mlp_layers = blocks if self.afd_settings.role == "ffn" else []
+        self.moe_mlp_layers = blocks if self.afd_settings.role == Role.FFN else []
 
     def finish_dense_output(self, output: torch.Tensor) -> torch.Tensor:
         """The native decoder's FP16 overflow guard for `DeepseekV2MLP` outputs, applied once.

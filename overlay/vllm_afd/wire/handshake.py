@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from vllm_afd.wire.errors import AFDConfigMismatchError, AFDProtocolError
-from vllm_afd.wire.placement import Placement
+from vllm_afd.wire.placement import Placement, Role
 from vllm_afd.wire.topology import check_layout
 
 __all__ = [
@@ -65,7 +65,7 @@ ROLE_FIELDS = ("dp_size", "tp_size")
 # Logged and used in messages only.
 IDENTITY_FIELDS = ("role", "role_rank", "hostname", "pid", "device", "checkpoint")
 
-ROLES = ("attention", "ffn")
+ROLES = tuple(role.value for role in Role)
 _FIX = "Launch both roles with the same model, dtype and AFD settings."
 
 
@@ -112,7 +112,7 @@ class Fingerprint:
     dp_size: int
     # TP size of the publishing role.
     tp_size: int
-    # Role of the publishing rank.
+    # Role of the publishing rank: a Role's value ("attention" or "ffn").
     role: str
     # Index of the publishing rank inside its role.
     role_rank: int
@@ -171,7 +171,7 @@ class Fingerprint:
             num_ffn_ranks=placement.num_ffn_ranks,
             compute_gate_on_attention=compute_gate_on_attention,
             num_stages=num_stages,
-            role=placement.role,
+            role=placement.role.value,  # a plain str on the wire (the type check above is exact)
             role_rank=placement.role_rank,
             dp_size=placement.dp_size,
             tp_size=placement.tp_size,
@@ -216,7 +216,7 @@ class Fingerprint:
 
 def _rank_order(fingerprint: Fingerprint) -> tuple[int, int]:
     # FFN-first, as AFD ranks are ordered.
-    return (0 if fingerprint.role == "ffn" else 1, fingerprint.role_rank)
+    return (0 if fingerprint.role == Role.FFN else 1, fingerprint.role_rank)
 
 
 def _differ(name: str, value_a: Any, value_b: Any) -> bool:
@@ -268,7 +268,7 @@ def compare_fingerprints(local: Fingerprint, others: Iterable[Fingerprint]) -> N
     """
     everyone = sorted({id(fp): fp for fp in (local, *others)}.values(), key=_rank_order)
     pairs = []
-    for role in ROLES:
+    for role in Role:
         members = [fp for fp in everyone if fp.role == role]
         same_role = local.role == role
         for peer in members:
@@ -279,8 +279,8 @@ def compare_fingerprints(local: Fingerprint, others: Iterable[Fingerprint]) -> N
                 pairs.append((members[0], peer, _differences(members[0], peer, ROLE_FIELDS)))
     if pairs:
         raise AFDConfigMismatchError(_mismatch_message(pairs))
-    attention = next((fp for fp in everyone if fp.role == "attention"), None)
-    ffn = next((fp for fp in everyone if fp.role == "ffn"), None)
+    attention = next((fp for fp in everyone if fp.role == Role.ATTENTION), None)
+    ffn = next((fp for fp in everyone if fp.role == Role.FFN), None)
     if attention is not None and ffn is not None:
         check_layout(
             attention.dp_size,

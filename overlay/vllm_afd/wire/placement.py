@@ -10,6 +10,7 @@ and not needed after it: the attention publishes one row count per attention ran
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
 from vllm_afd.wire.topology import (
@@ -20,19 +21,33 @@ from vllm_afd.wire.topology import (
     ffn_rank_for_attention,
 )
 
-__all__ = ["A2F", "CONTROL", "F2A", "Placement"]
+__all__ = ["A2F", "CONTROL", "F2A", "Placement", "Role"]
 
 # The three channels: hidden states attention -> FFN, FFN output FFN -> attention, and one control
 # payload per step from attention rank k to FFN rank k.
 A2F, F2A, CONTROL = "a2f", "f2a", "ctrl"
 
 
+class Role(str, enum.Enum):
+    """The two AFD roles; a member equals, hashes and prints as its config string ("attention", "ffn").
+
+    NOTE: ``enum.StrEnum`` written out (it is Python 3.11+, the overlay supports 3.10): ``str()`` and
+    ``format()`` give the value, so messages, metric labels and JSON read as before.
+    """
+
+    ATTENTION = "attention"
+    FFN = "ffn"
+
+    __str__ = str.__str__
+    __format__ = str.__format__
+
+
 @dataclass(frozen=True, slots=True)
 class Placement:
     """One rank's role, rank and groups; see the module docstring."""
 
-    # "attention" or "ffn".
-    role: str
+    # Role.ATTENTION or Role.FFN (a config string is parsed to its member).
+    role: Role
     # Index inside the role: global DP rank x TP size + TP rank.
     role_rank: int
     # A: attention ranks (attention DP x TP); F: FFN ranks (FFN DP x TP); A >= F.
@@ -43,8 +58,11 @@ class Placement:
     tp_size: int = 1
 
     def __post_init__(self) -> None:
-        if self.role not in ("attention", "ffn"):
-            raise ValueError(f"AFD placement: role must be 'attention' or 'ffn', got {self.role!r}")
+        try:
+            role = Role(self.role)
+        except ValueError:
+            raise ValueError(f"AFD placement: role must be 'attention' or 'ffn', got {self.role!r}") from None
+        object.__setattr__(self, "role", role)  # NOTE: frozen dataclass: the parsed member replaces the string
         if not self.num_attention_ranks >= self.num_ffn_ranks >= 1:
             raise ValueError(
                 f"AFD placement: expected num_attention_ranks >= num_ffn_ranks >= 1, got A="
@@ -62,11 +80,11 @@ class Placement:
 
     @classmethod
     def for_rank(
-        cls, role: str, num_attention_ranks: int, num_ffn_ranks: int, *, dp_rank: int, tp_rank: int,
+        cls, role: Role | str, num_attention_ranks: int, num_ffn_ranks: int, *, dp_rank: int, tp_rank: int,
         dp_size: int, tp_size: int,
     ) -> Placement:
         """The placement of the worker with global DP rank ``dp_rank`` and TP rank ``tp_rank``."""
-        role_size = num_attention_ranks if role == "attention" else num_ffn_ranks
+        role_size = num_attention_ranks if role == Role.ATTENTION else num_ffn_ranks
         role_rank = compute_role_rank(role, dp_rank, tp_rank, tp_size, role_size)
         return cls(role, role_rank, num_attention_ranks, num_ffn_ranks, dp_size, tp_size)
 
@@ -75,7 +93,7 @@ class Placement:
     @property
     def num_role_ranks(self) -> int:
         """Rank count of this rank's role (A or F)."""
-        return self.num_attention_ranks if self.role == "attention" else self.num_ffn_ranks
+        return self.num_attention_ranks if self.role is Role.ATTENTION else self.num_ffn_ranks
 
     @property
     def label(self) -> str:
@@ -90,7 +108,7 @@ class Placement:
     @property
     def subgroup(self) -> int:
         """Index k of this rank's data subgroup: the FFN rank it belongs to."""
-        if self.role == "ffn":
+        if self.role is Role.FFN:
             return self.role_rank
         return ffn_rank_for_attention(self.role_rank, self.num_attention_ranks, self.num_ffn_ranks)
 
@@ -111,7 +129,7 @@ class Placement:
     @property
     def control_rank(self) -> int | None:
         """Rank in the control group (its AFD rank), or None: attention ranks >= F publish nothing."""
-        in_control = self.role == "ffn" or self.role_rank < self.num_ffn_ranks
+        in_control = self.role is Role.FFN or self.role_rank < self.num_ffn_ranks
         return self.afd_rank if in_control else None
 
     @property
@@ -120,18 +138,18 @@ class Placement:
         return 2 * self.num_ffn_ranks
 
     @property
-    def peers(self) -> tuple[tuple[str, int], ...]:
+    def peers(self) -> tuple[tuple[Role, int], ...]:
         """(role, role_rank) of every data and control peer, sorted: the ranks whose heartbeats count.
 
         Attention rank j: its data FFN and, for j < F, its control FFN j. FFN rank k: its attention
         block and its control attention rank k. Symmetric: X lists Y exactly when Y lists X.
         """
-        if self.role == "attention":
-            named = {("ffn", self.subgroup)}
+        if self.role is Role.ATTENTION:
+            named = {(Role.FFN, self.subgroup)}
             if self.control_rank is not None:
-                named.add(("ffn", self.role_rank))
+                named.add((Role.FFN, self.role_rank))
         else:
-            named = {("attention", j) for j in self.attention_peers} | {("attention", self.role_rank)}
+            named = {(Role.ATTENTION, j) for j in self.attention_peers} | {(Role.ATTENTION, self.role_rank)}
         return tuple(sorted(named))
 
     def channels(self) -> list[tuple[str, str, int, int]]:

@@ -14,6 +14,7 @@ import time
 from typing import TYPE_CHECKING
 
 from vllm_afd.wire.errors import AFDConfigMismatchError, AFDLayoutError, AFDRendezvousTimeout
+from vllm_afd.wire.placement import Role
 
 if TYPE_CHECKING:
     from vllm_afd.wire.connector import AFDConnector
@@ -53,7 +54,7 @@ def pair_again(connector: AFDConnector, timeout_s: float, cause: BaseException, 
             raise _gave_up(label, peer, timeout_s, cause, refused, then) from refused
     took = time.monotonic() - started
     placement = connector.placement
-    peers = list(placement.attention_peers) if placement.role == "ffn" else [placement.subgroup]
+    peers = list(placement.attention_peers) if placement.role is Role.FFN else [placement.subgroup]
     logger.info("AFD %s: paired again with %s ranks %s after %.1f s (re-formation %d)", label,
                 peer.removeprefix("the "), peers, took, connector.reformations)
     return took

@@ -22,7 +22,7 @@ from typing import Any
 
 from vllm_afd.wire.errors import AFDPeerLostError, AFDRendezvousTimeout
 from vllm_afd.wire.handshake import Fingerprint, compare_fingerprints
-from vllm_afd.wire.placement import Placement
+from vllm_afd.wire.placement import Placement, Role
 
 __all__ = [
     "KEY_PREFIX",
@@ -41,11 +41,13 @@ CONNECT_ATTEMPT_S = 1.0
 WAIT_LOG_INTERVAL_S = 10.0
 # Poll period while a held claim may turn out stale, and while a re-forming store host rebinds its port.
 STALE_CLAIM_POLL_S = 0.1
+# The roles in AFD rank order (FFN first), as messages list ranks.
+AFD_ROLE_ORDER = (Role.FFN, Role.ATTENTION)
 
 logger = logging.getLogger(__name__)
 
 
-def rank_key(kind: str, role: str, role_rank: int) -> str:
+def rank_key(kind: str, role: Role, role_rank: int) -> str:
     """Store key of one rank's record of ``kind`` (claim, fingerprint, heartbeat)."""
     return f"{KEY_PREFIX}/{kind}/{role}/{role_rank}"
 
@@ -93,10 +95,10 @@ class RendezvousSpec:
         """``"<role> rank <role_rank>"``, as log lines name this rank."""
         return f"{self.role} rank {self.role_rank}"
 
-    def all_ranks(self) -> list[tuple[str, int]]:
+    def all_ranks(self) -> list[tuple[Role, int]]:
         """Every (role, role_rank), FFN first (AFD rank order)."""
-        return [("ffn", k) for k in range(self.placement.num_ffn_ranks)] + [
-            ("attention", j) for j in range(self.placement.num_attention_ranks)
+        return [(Role.FFN, k) for k in range(self.placement.num_ffn_ranks)] + [
+            (Role.ATTENTION, j) for j in range(self.placement.num_attention_ranks)
         ]
 
 
@@ -177,7 +179,7 @@ class Rendezvous:
             self._sleep(STALE_CLAIM_POLL_S)
         raise self._duplicate_error()
 
-    def exchange_fingerprints(self, fingerprint: Fingerprint) -> dict[tuple[str, int], Fingerprint]:
+    def exchange_fingerprints(self, fingerprint: Fingerprint) -> dict[tuple[Role, int], Fingerprint]:
         """Publish ours, wait for all F + A, compare (raises AFDConfigMismatchError / AFDLayoutError)."""
         spec = self.spec
         self._store_call(lambda: self.store.set(self._own_key("fingerprint"), fingerprint.to_json()))
@@ -220,7 +222,7 @@ class Rendezvous:
 
     def _missing_ranks_text(self) -> str:
         """``"ffn [1], attention [2 3]"``: the ranks whose claim is not in the store yet."""
-        missing: dict[str, list[int]] = {role: [] for role in ("ffn", "attention")}
+        missing: dict[Role, list[int]] = {role: [] for role in AFD_ROLE_ORDER}
         for role, rank in self.spec.all_ranks():
             if not self._store_call(functools.partial(self.store.check, [rank_key("claim", role, rank)])):
                 missing[role].append(rank)
@@ -238,8 +240,8 @@ class Rendezvous:
     def timeout_error(self, stage: str) -> AFDRendezvousTimeout:
         """The timeout of docs/connection.md#rendezvous: who joined, who is missing (from the claims)."""
         spec = self.spec
-        joined: dict[str, list[int]] = {role: [] for role in ("ffn", "attention")}
-        missing: dict[str, list[int]] = {role: [] for role in ("ffn", "attention")}
+        joined: dict[Role, list[int]] = {role: [] for role in AFD_ROLE_ORDER}
+        missing: dict[Role, list[int]] = {role: [] for role in AFD_ROLE_ORDER}
         if self.store is None:
             return self._unreachable_error(f"not connected while {stage}")
         try:
@@ -369,10 +371,10 @@ class Rendezvous:
             pass
 
 
-def _format_ranks(ranks: dict[str, Iterable[int]], *, skip_empty: bool) -> str:
+def _format_ranks(ranks: dict[Role, Iterable[int]], *, skip_empty: bool) -> str:
     """``{"ffn": [0], "attention": [0, 1]}`` -> ``"ffn [0], attention [0 1]"``."""
     parts = []
-    for role in ("ffn", "attention"):
+    for role in AFD_ROLE_ORDER:
         values = list(ranks.get(role, ()))
         if values or not skip_empty:
             parts.append(f"{role} [{' '.join(map(str, values))}]")

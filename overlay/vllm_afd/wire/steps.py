@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from vllm_afd.wire.errors import AFDProtocolError
 from vllm_afd.wire.messages import ControlPayload
-from vllm_afd.wire.placement import Placement
+from vllm_afd.wire.placement import Placement, Role
 from vllm_afd.wire.topology import expand_dp_counts, rows
 
 __all__ = ["Stage", "StepState"]
@@ -73,7 +73,7 @@ class StepState:
                     f"{list(counts)}; expected one per attention rank ({p.num_attention_ranks}). Run the same "
                     "vllm_afd version and num_attention_ranks on both roles"
                 )
-            if p.role == "attention":
+            if p.role is Role.ATTENTION:
                 stages[stage] = Stage(counts, rows(counts[p.role_rank]), ())
             else:
                 peer_rows = tuple(rows(counts[j]) for j in p.attention_peers)

@@ -28,13 +28,17 @@ from dataclasses import dataclass, fields
 from typing import Any, Protocol
 
 from vllm_afd.wire.messages import ControlPayload
+from vllm_afd.wire.placement import Role
 
 __all__ = [
     "ATTENTION_MARKS",
     "FFN_MARKS",
+    "NULL_TIMELINE",
     "Mark",
+    "NullTimeline",
     "StepRecord",
     "Timeline",
+    "make_timeline",
     "step_layout",
 ]
 
@@ -44,9 +48,11 @@ A2F_RECV_START, A2F_RECV_END, F2A_SEND_START, F2A_SEND_END = (
 # Marks of one exchange, in the order they are stamped.
 ATTENTION_MARKS = (A2F_SEND_START, A2F_SEND_END, F2A_RECV_END)
 FFN_MARKS = (A2F_RECV_START, A2F_RECV_END, F2A_SEND_START, F2A_SEND_END)
-MARKS = {"attention": ATTENTION_MARKS, "ffn": FFN_MARKS}
+MARKS = {Role.ATTENTION: ATTENTION_MARKS, Role.FFN: FFN_MARKS}
 # Completed records kept for take_records(); older ones are dropped (a consumer that stopped reading).
 MAX_PENDING_RECORDS = 4096
+# Stages a step may have for the timeline's slots (micro-batching supports up to 3).
+MAX_TIMELINE_STAGES = 4
 
 
 class Clock(Protocol):
@@ -151,7 +157,7 @@ def read_records(path: str | os.PathLike[str]) -> list[StepRecord]:
     return records
 
 
-def step_layout(role: str, exchanges_per_stage: int, stages: Sequence[int]) -> list[tuple[str, int, int]]:
+def step_layout(role: Role, exchanges_per_stage: int, stages: Sequence[int]) -> list[tuple[str, int, int]]:
     """(kind, exchange, stage) of every slot of one step: layer-major, stage-minor, marks in order."""
     kinds = MARKS[role]
     return [(kind, exchange, stage) for exchange in range(exchanges_per_stage) for stage in stages
@@ -165,7 +171,10 @@ class Timeline:
     wrote them, checked without waiting). Capture steps are skipped: nothing executed.
     """
 
-    def __init__(self, role: str, role_rank: int, exchanges_per_stage: int, clock: Clock) -> None:
+    # True: this timeline keeps records (NullTimeline: False).
+    enabled = True
+
+    def __init__(self, role: Role, role_rank: int, exchanges_per_stage: int, clock: Clock) -> None:
         self.role = role
         self.role_rank = role_rank
         self.exchanges_per_stage = exchanges_per_stage
@@ -231,3 +240,44 @@ class Timeline:
             host_syncs=self._host_syncs,
         )
         self._sealed.append((self.clock.seal(len(layout)), fields, layout))
+
+
+class NullTimeline:
+    """The timeline of a rank that keeps none (``timeline_clock`` None): every call does nothing."""
+
+    enabled = False
+
+    def open_step(self, payload: ControlPayload, rows: int) -> None:
+        pass
+
+    def mark(self, kind: str, position: int) -> None:
+        pass
+
+    def step_closed(self) -> None:
+        pass
+
+    def count_host_sync(self, count: int = 1) -> None:
+        pass
+
+    def take_records(self) -> list[StepRecord]:
+        return []
+
+    def close(self) -> None:
+        pass
+
+
+# Stateless, so one instance serves every connector without a timeline.
+NULL_TIMELINE = NullTimeline()
+
+
+def make_timeline(clock: str | None, role: Role, role_rank: int, exchanges_per_stage: int,
+                  device: Any) -> Timeline | NullTimeline:
+    """The timeline a connector stamps: on ``clock`` ("host" or "device", on ``device``), or NULL_TIMELINE."""
+    if clock is None:
+        return NULL_TIMELINE
+    from vllm_afd.wire.clocks import DeviceClock, HostClock
+
+    # Slots for up to MAX_TIMELINE_STAGES stages of the widest exchange (4 FFN marks).
+    capacity = len(FFN_MARKS) * exchanges_per_stage * MAX_TIMELINE_STAGES
+    stamps = DeviceClock(capacity, device) if clock == "device" else HostClock(capacity)
+    return Timeline(role, role_rank, exchanges_per_stage, stamps)

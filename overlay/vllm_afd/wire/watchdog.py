@@ -25,13 +25,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from vllm_afd.wire.errors import AFDPeerLostError, AFDStepTimeoutError
-from vllm_afd.wire.placement import Placement
+from vllm_afd.wire.placement import Placement, Role
 
 __all__ = [
     "ABORT_JOIN_S",
     "STARTUP_DONE_KEY",
     "TERMINATE_GRACE_S",
+    "NULL_WATCHDOG",
     "FailureLatch",
+    "NullWatchdog",
     "Watchdog",
     "WatchdogSpec",
     "terminate_process",
@@ -169,9 +171,35 @@ class WatchdogSpec:
     def step_peer_label(self) -> str:
         """Who a step waits on, for messages, e.g. "ffn peer rank 0"."""
         p = self.placement
-        if p.role == "attention":
+        if p.role is Role.ATTENTION:
             return f"ffn peer rank {p.subgroup}"
         return f"attention peer ranks [{' '.join(map(str, p.attention_peers))}]"
+
+
+class NullWatchdog:
+    """The watchdog of a connector that watches nothing (before init, after release): every call does nothing."""
+
+    # Never armed: no step or transfer is timed.
+    armed = False
+
+    def step_opened(self, step_seq: int | None) -> None:
+        pass
+
+    def step_closed(self) -> None:
+        pass
+
+    def transfer_started(self, what: str = "") -> None:
+        pass
+
+    def transfer_finished(self) -> None:
+        pass
+
+    def stop(self, timeout_s: float = 2.0) -> None:
+        pass
+
+
+# Stateless, so one instance serves every connector that is not watching.
+NULL_WATCHDOG = NullWatchdog()
 
 
 class Watchdog:

@@ -1,0 +1,149 @@
+"""``AttentionConnector``: the attention's end of the AFD wire (the shared link: connector.py).
+
+Per step the attention ``publish``es the control payload: every attention rank adopts it, ranks < F
+also send it to FFN rank k (an int64 length, then the bytes; docs/protocol.md#control-payload). Per
+(layer, stage) it issues its rows with ``send_a2f`` (hidden states, then router logits with the gate
+on attention) without blocking, and ``recv_f2a`` waits that stage's send, then receives the FFN output
+into the tensor just sent. An exchange that fails inside a step is deferred to the step gate
+(``defer_failure`` / ``take_step_failure``, attention/step_gate.py); ``mark_startup_done`` arms the
+step timeouts once profile, warm-up and capture are over.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from vllm_afd.wire.connector import AFDConnector
+from vllm_afd.wire.errors import AFDPeerLostError
+from vllm_afd.wire.messages import ControlPayload
+from vllm_afd.wire.placement import A2F, CONTROL, F2A
+from vllm_afd.wire.timeline import A2F_SEND_END, A2F_SEND_START, F2A_RECV_END
+from vllm_afd.wire.transport import SendHandle
+from vllm_afd.wire.watchdog import STARTUP_DONE_KEY
+
+__all__ = ["AttentionConnector"]
+
+
+class AttentionConnector(AFDConnector):
+    """One attention rank's end; see the module docstring."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # The first failure an exchange deferred to the step gate in the current step.
+        self._deferred: BaseException | None = None
+        # Whether this rank counted itself into STARTUP_DONE_KEY (a re-formation counts it again).
+        self._startup_flagged = False
+
+    def _new_pairing(self) -> None:
+        super()._new_pairing()
+        # The issued a2f sends of each stage, waited by that stage's recv_f2a.
+        self._pending_a2f: dict[int, list[SendHandle]] = {}
+
+    def _announce(self, store: Any) -> None:
+        if self._startup_flagged:  # a re-formation: steps were timed before it, keep timing them
+            store.add(STARTUP_DONE_KEY, 1)
+
+    # ---- step gate ------------------------------------------------------------------------------
+
+    def mark_startup_done(self) -> None:
+        """Profile, warm-up and capture are over; once all A ranks said so, steps are timed."""
+        self._require_ready("mark_startup_done")
+        if not self._startup_flagged:
+            self._startup_flagged = True
+            self._store.add(STARTUP_DONE_KEY, 1)
+
+    def defer_failure(self, exc: BaseException) -> None:
+        """Inside a step: an exchange failed with ``exc``; the step gate raises it at the step's end."""
+        if self._deferred is None:
+            self._deferred = exc
+
+    def take_step_failure(self) -> BaseException | None:
+        """What the step gate must raise (and forget): a failure deferred in this step, the sticky failure, or
+        a pairing that is not ready (a re-formation running in the background)."""
+        deferred, self._deferred = self._deferred, None
+        if self.is_initialized:
+            return deferred
+        return self.failure or deferred or AFDPeerLostError(
+            f"AFD peer lost: {self.placement.label}'s connector is pairing again after a lost peer; this step "
+            "cannot run (docs/connection.md#healing-attention)")
+
+    # ---- control plane --------------------------------------------------------------------------
+
+    def publish(self, counts_dp: Mapping[int, Sequence[int]], **flags: bool) -> ControlPayload:
+        """Open the step with each stage's tokens per attention DP rank; ranks < F transmit it."""
+        self._require_ready("publish")
+        payload = self.steps.new_payload(counts_dp, **flags)
+        self._adopt(payload)
+        p = self.placement
+        if p.control_rank is not None:
+            body = payload.encode()
+            length = torch.tensor([len(body)], dtype=torch.int64)
+            data = torch.frombuffer(bytearray(body), dtype=torch.uint8)
+            dst = p.role_rank  # control group ranks are AFD ranks: FFN k is k
+            self._call("control send to ffn rank", p.role_rank, self.transport.send, CONTROL, length, dst)
+            self._call("control send to ffn rank", p.role_rank, self.transport.send, CONTROL, data, dst)
+        return payload
+
+    # ---- data plane -----------------------------------------------------------------------------
+
+    def send_a2f(self, stage: int, hidden: torch.Tensor, router_logits: torch.Tensor | None = None) -> None:
+        """Send this rank's rows of one (layer, stage) to its FFN rank: hidden states, then router logits."""
+        self._require_ready("send_a2f")
+        s, p = self.spec, self.placement
+        own_rows = self.steps.stage(stage).own_rows
+        s.check_tensor(hidden, "hidden states", s.hidden_size, s.dtype)
+        if hidden.shape[0] != own_rows:
+            raise ValueError(
+                f"{s.name}: {p.label} sends {hidden.shape[0]} rows in stage {stage} but published "
+                f"{own_rows}; publish the padded, >= 1 row count this rank sends"
+            )
+        if router_logits is not None:
+            if s.router_logits_width is None:
+                raise ValueError(
+                    f"{s.name}: router logits given with compute_gate_on_attention=false; expected hidden "
+                    "states only. Only MoE layers under compute_gate_on_attention=true send them"
+                )
+            s.check_tensor(router_logits, "router logits", s.router_logits_width, None)
+            if router_logits.shape[0] != hidden.shape[0]:
+                raise ValueError(
+                    f"{s.name}: router logits have {router_logits.shape[0]} rows, hidden states "
+                    f"{hidden.shape[0]}; pass this layer's logits"
+                )
+        label = "a2f send to ffn rank"
+        self._wait_sends(self._pending_a2f.pop(stage, []), label, p.subgroup)  # a stage sent twice: misuse, but safe
+        # NOTE: sends go out in E order (docs/pingpong.md#5-ordering-why-the-receives-cannot-deadlock), so the
+        # n-th send of a step is exchange n; with stages it precedes the previous stage's receive, which is what
+        # num_exchanges counts.
+        position = self.steps.num_sends
+        self._mark(A2F_SEND_START, position)
+        pending = self._pending_a2f[stage] = []
+        pending.append(self._call(label, p.subgroup, self.transport.isend, A2F, hidden.contiguous(), 0, timed=False))
+        if router_logits is not None:
+            pending.append(self._call(label, p.subgroup, self.transport.isend, A2F, router_logits.contiguous(), 0,
+                                      timed=False))
+        self._mark(A2F_SEND_END, position)
+        self.steps.num_sends += 1
+
+    def recv_f2a(self, stage: int, out: torch.Tensor) -> torch.Tensor:
+        """Receive the FFN output of one (layer, stage) into ``out`` when it fits, else a new tensor."""
+        self._require_ready("recv_f2a")
+        s = self.spec
+        own_rows = self.steps.stage(stage).own_rows
+        if out.shape[0] != own_rows:
+            raise ValueError(
+                f"{s.name}: receive into {out.shape[0]} rows in stage {stage}; expected the published "
+                f"{own_rows}. Pass the tensor just sent"
+            )
+        shape = (own_rows, s.hidden_size)
+        fits = (tuple(out.shape) == shape and out.dtype == s.dtype and out.device == s.device
+                and out.is_contiguous())
+        target = out if fits else torch.empty(shape, dtype=s.dtype, device=s.device)
+        # NOTE: the result lands in the tensor just sent, so that send must be complete first.
+        self._wait_sends(self._pending_a2f.pop(stage, []), "a2f send to ffn rank", self.placement.subgroup)
+        self._call("f2a receive from ffn rank", self.placement.subgroup, self.transport.recv, F2A, target, 0)
+        self._mark(F2A_RECV_END)
+        self._count_exchange()
+        return target

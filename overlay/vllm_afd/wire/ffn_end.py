@@ -1,0 +1,152 @@
+"""``FFNConnector``: the FFN's end of the AFD wire (the shared link: connector.py).
+
+Per step the FFN blocks in ``next_step`` for the payload of its control peer, attention rank k (an
+int64 length, then the bytes; docs/protocol.md#control-payload), and adopts it: the only place its
+step state changes. Per (layer, stage) ``recv_a2f`` receives from every attention peer in subgroup
+order and concatenates; ``send_f2a`` issues each peer its rows without blocking, and ``wait_sends``
+waits them all at the end of the step. With graph buffers every receive lands in a persistent
+buffer per (stage, peer, shape), preallocated when a payload is adopted, so a replayed CUDA graph
+finds the addresses it recorded (docs/protocol.md#step-state-and-receive-buffers).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from vllm_afd.wire.connector import AFDConnector
+from vllm_afd.wire.errors import AFDProtocolError
+from vllm_afd.wire.messages import A2FBatch, ControlPayload, RoutingSpec
+from vllm_afd.wire.placement import A2F, CONTROL, F2A
+from vllm_afd.wire.timeline import A2F_RECV_END, A2F_RECV_START, F2A_SEND_END, F2A_SEND_START
+from vllm_afd.wire.transport import SendHandle
+
+__all__ = ["MAX_CONTROL_BYTES", "FFNConnector"]
+
+# A control body longer than this is garbage, not a payload (a real one is well under 1 KiB per stage).
+MAX_CONTROL_BYTES = 1 << 20
+
+
+class FFNConnector(AFDConnector):
+    """One FFN rank's end; see the module docstring."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # Router-logit layouts recv_a2f was asked for: graph buffers are preallocated for them too.
+        self._routing: set[RoutingSpec] = set()
+
+    def _new_pairing(self) -> None:
+        super()._new_pairing()
+        # The issued f2a sends of the step, waited by wait_sends().
+        self._pending_f2a: list[SendHandle] = []
+        # Graph buffers by (stage, group rank, rows, width, dtype); a new pairing records its graphs anew.
+        self._buffers: dict[tuple[Any, ...], torch.Tensor] = {}
+
+    # ---- control plane --------------------------------------------------------------------------
+
+    def next_step(self) -> ControlPayload:
+        """Block for the next step's payload and adopt it (an idle attention is legal: untimed)."""
+        self._require_ready("next_step")
+        p = self.placement
+        src = p.num_ffn_ranks + p.role_rank  # attention rank k's AFD rank
+        length = torch.empty(1, dtype=torch.int64)
+        label = "control receive from attention rank"
+        self._call(label, p.role_rank, self.transport.recv, CONTROL, length, src, timed=False)
+        num_bytes = int(length.item())
+        self._require_ready("next_step")  # an abort may have left garbage behind
+        if not 0 < num_bytes <= MAX_CONTROL_BYTES:
+            raise AFDProtocolError(
+                f"{self.spec.name}: control payload length {num_bytes} from attention rank {p.role_rank} is "
+                f"not in 1..{MAX_CONTROL_BYTES}; expected the int64 byte length of "
+                "docs/protocol.md#control-payload. Run the same vllm_afd version on both roles"
+            )
+        data = torch.empty(num_bytes, dtype=torch.uint8)
+        self._call(label, p.role_rank, self.transport.recv, CONTROL, data, src, timed=False)
+        payload = ControlPayload.decode(data.numpy().tobytes())
+        if len(payload.stages) > self.spec.num_stages:
+            raise AFDProtocolError(
+                f"{self.spec.name}: control payload step {payload.step_seq} from attention rank {p.role_rank} has "
+                f"{len(payload.stages)} stages {sorted(payload.stages)}; the handshake agreed on num_stages="
+                f"{self.spec.num_stages}. Run the same vllm_afd version and num_stages on both roles"
+            )
+        self._adopt(payload)
+        return payload
+
+    def _adopt(self, payload: ControlPayload) -> None:
+        super()._adopt(payload)
+        if self.spec.use_graph_buffers:
+            self._preallocate_buffers()
+
+    # ---- data plane -----------------------------------------------------------------------------
+
+    def recv_a2f(self, stage: int, routing: RoutingSpec | None = None) -> A2FBatch:
+        """Receive one (layer, stage) from every attention peer in subgroup order, concatenated."""
+        self._require_ready("recv_a2f")
+        s, p = self.spec, self.placement
+        peer_rows = self.steps.stage(stage).peer_rows
+        if routing is not None:
+            self._routing.add(routing)
+        hidden_parts, logit_parts = [], []
+        self._mark(A2F_RECV_START)
+        for group_rank, (peer, num_rows) in enumerate(zip(p.attention_peers, peer_rows), start=1):
+            label = "a2f receive from attention rank"
+            hidden = self._recv_buffer(stage, group_rank, num_rows, s.hidden_size, s.dtype)
+            self._call(label, peer, self.transport.recv, A2F, hidden, group_rank)
+            hidden_parts.append(hidden)
+            if routing is not None:
+                logits = self._recv_buffer(stage, group_rank, num_rows, routing.width, routing.dtype)
+                self._call(label, peer, self.transport.recv, A2F, logits, group_rank)
+                logit_parts.append(logits)
+        self._mark(A2F_RECV_END)
+        return A2FBatch(_concat(hidden_parts), _concat(logit_parts) if logit_parts else None, peer_rows)
+
+    def send_f2a(self, stage: int, output: torch.Tensor) -> None:
+        """Send each attention peer its rows of ``output`` (``[sum(peer_rows), hidden]``)."""
+        self._require_ready("send_f2a")
+        s, p = self.spec, self.placement
+        peer_rows = self.steps.stage(stage).peer_rows
+        s.check_tensor(output, "FFN output", s.hidden_size, s.dtype)
+        if output.shape[0] != sum(peer_rows):
+            raise ValueError(
+                f"{s.name}: FFN output has {output.shape[0]} rows in stage {stage}; expected "
+                f"{sum(peer_rows)} (peers' rows {list(peer_rows)}). Pass the rows recv_a2f returned"
+            )
+        parts = output.split(list(peer_rows))
+        self._mark(F2A_SEND_START)
+        for group_rank, (peer, part) in enumerate(zip(p.attention_peers, parts), start=1):
+            self._pending_f2a.append(self._call("f2a send to attention rank", peer, self.transport.isend, F2A,
+                                                part.contiguous(), group_rank, timed=False))
+        self._mark(F2A_SEND_END)
+        self._count_exchange()
+
+    def wait_sends(self) -> None:
+        """End of a step: wait for every f2a send issued since the last call (its outputs may be reused)."""
+        self._require_ready("wait_sends")
+        pending, self._pending_f2a = self._pending_f2a, []
+        self._wait_sends(pending, "f2a send to attention ranks", self.placement.subgroup)
+
+    # ---- receive buffers ------------------------------------------------------------------------
+
+    def _preallocate_buffers(self) -> None:
+        """With graph buffers: every receive buffer the adopted stages need, before any capture."""
+        s = self.spec
+        for stage, state in self.steps.stages.items():
+            for group_rank, num_rows in enumerate(state.peer_rows, start=1):
+                self._recv_buffer(stage, group_rank, num_rows, s.hidden_size, s.dtype)
+                for routing in self._routing:
+                    self._recv_buffer(stage, group_rank, num_rows, routing.width, routing.dtype)
+
+    def _recv_buffer(self, stage: int, group_rank: int, num_rows: int, width: int, dtype: torch.dtype) -> torch.Tensor:
+        s = self.spec
+        if not s.use_graph_buffers:
+            return torch.empty((num_rows, width), dtype=dtype, device=s.device)
+        key = (stage, group_rank, num_rows, width, dtype)
+        buffer = self._buffers.get(key)
+        if buffer is None:  # never evicted: a replayed graph finds the address it recorded
+            buffer = self._buffers[key] = torch.empty((num_rows, width), dtype=dtype, device=s.device)
+        return buffer
+
+
+def _concat(parts: list[torch.Tensor]) -> torch.Tensor:
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
