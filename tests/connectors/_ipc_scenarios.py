@@ -160,8 +160,8 @@ def peer_dies_mid_step(role: str, port: int, peer_timeout_s: float = 1.0) -> dic
 def driver_on_this_gpu() -> dict[str, Any]:
     """The real driver's view of cuda:0 and a flag page in this machine's /dev/shm."""
     from vllm_afd.wire.transports.cuda_driver import WAIT, WRITE, CudaDriver, Op
-    from vllm_afd.wire.transports.ipc import ABORT
     from vllm_afd.wire.transports.shm import FlagBlock
+    from vllm_afd.wire.transports.slots import ABORT
 
     driver = CudaDriver(torch.device("cuda", 0))
     driver.bind()

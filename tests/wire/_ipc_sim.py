@@ -156,6 +156,9 @@ class FakeDriver:
         self._take("ipc", pointer)
         return pointer
 
+    def mapped_size(self, pointer: int) -> int:
+        return ctypes.sizeof(self.sim.buffers[pointer])
+
     def ipc_close(self, pointer: int) -> None:
         self._give("ipc", pointer)
 

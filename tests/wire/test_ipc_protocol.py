@@ -25,7 +25,7 @@ from torch.distributed import HashStore
 
 from tests.wire._ipc_sim import EXPERTS, HIDDEN, FakeDriver, SimDevice, make_transport, open_all
 from vllm_afd.wire.placement import A2F, F2A, Placement
-from vllm_afd.wire.transports.ipc import ABORT, EMPTY, FULL
+from vllm_afd.wire.transports.slots import ABORT, EMPTY, FULL
 
 MAX_ROWS = 3
 MAX_EXCHANGES = 6

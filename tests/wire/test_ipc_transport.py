@@ -19,10 +19,13 @@ from torch.distributed import HashStore
 from tests.wire._ipc_sim import EXPERTS, HIDDEN, FakeDriver, SimDevice, make_transport, open_all
 from vllm_afd.wire.placement import A2F, F2A, Placement
 from vllm_afd.wire.transports.cuda_driver import COPY, WAIT, WRITE, CudaDriver
-from vllm_afd.wire.transports.ipc import (
-    ABORT, EMPTY, FLAG_STRIDE, FULL, SLOT_ALIGN, IpcTransport, check_members, message_row_bytes, plan_slots,
-)
+from vllm_afd.wire.transports.cuda_driver import mps_running
+from vllm_afd.wire.transports.ipc import IpcTransport
+from vllm_afd.wire.transports.records import check_members, ranks_sharing_gpu
 from vllm_afd.wire.transports.shm import SHM_DIR
+from vllm_afd.wire.transports.slots import (
+    ABORT, EMPTY, FLAG_STRIDE, FULL, SLOT_ALIGN, message_row_bytes, plan_slots,
+)
 
 
 def placements(num_attention: int) -> list[Placement]:
@@ -83,7 +86,6 @@ def record(**overrides):
     ({"problem": "the CUDA driver lacks cuStreamWaitValue32_v2"},
      "AFD rank 1 cannot use CUDA stream memory operations (the CUDA driver lacks cuStreamWaitValue32_v2); expected "
      "a CUDA 11.7+ driver"),
-    (record(row_bytes={"a2f": [64], "f2a": [32]}), "size messages differently"),
 ])
 def test_a_subgroup_the_transport_cannot_serve_is_refused_with_the_fix(peer, message):
     with pytest.raises(RuntimeError, match=re.escape(message)):
@@ -254,8 +256,6 @@ def test_ops_are_the_documented_protocol(opened):
 
 
 def test_ranks_on_one_gpu_are_named_and_mps_is_found_by_its_control_pipe(tmp_path, monkeypatch):
-    from vllm_afd.wire.transports.ipc import mps_running, ranks_sharing_gpu
-
     records = {0: {"gpu": "GPU-a"}, 1: {"gpu": "GPU-a"}, 2: {"gpu": "GPU-b"}, 3: {"gpu": "GPU-a"}}
     assert ranks_sharing_gpu(records, 0) == [1, 3] and ranks_sharing_gpu(records, 2) == []
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import struct
 import threading
 import time
@@ -12,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.distributed import HashStore
 
+from vllm_afd.wire.errors import AFDProtocolError
 from vllm_afd.wire.placement import CONTROL, Placement
 from vllm_afd.wire.transports.mailbox import HEADER_BYTES, SLOT_HEADER, MailboxTransport
 
@@ -154,11 +156,29 @@ def test_refusals_name_the_fix():
 
 def test_a_control_pair_on_two_hosts_is_refused_naming_both():
     store = HashStore()
-    store.set("afd/mailbox/0", '{"name": "x", "host": "other-host", "slots": 8, "slot_bytes": 65536}')
+    store.set("afd/mailbox/0", '{"name": "afd-ipc-1-0123abcd", "host": "other-host", "slots": 8, "slot_bytes": 65536}')
 
     with pytest.raises(RuntimeError, match="its control peer, FFN rank 0, on other-host; the control mailbox is shared "
                                            "memory of one host"):
         MailboxTransport().open(store, Placement("attention", 0, 1, 1, 1, 1), 1.0)
+
+
+@pytest.mark.parametrize("record, expected", [
+    ({"name": "../../tmp/afd-victim", "host": "h", "slots": 8, "slot_bytes": 65536}, "names the shared-memory page"),
+    ({"name": "/tmp/afd-victim", "host": "h", "slots": 8, "slot_bytes": 65536}, "names the shared-memory page"),
+    ({"name": "afd-ipc-1-0123abcd", "host": "h", "slots": -1, "slot_bytes": 65536}, "slots is -1"),
+    ({"name": "afd-ipc-1-0123abcd", "host": "h", "slots": 8}, "its set of fields is"),
+    ("not an object", "expected a JSON object"),
+])
+def test_a_forged_mailbox_record_is_refused_before_any_file_is_opened(tmp_path, record, expected):
+    """A third store client names the page: an absolute or ../ name once made the attention map and write a file."""
+    store = HashStore()
+    store.set("afd/mailbox/0", json.dumps(record))
+
+    with pytest.raises(AFDProtocolError, match=f"store record afd/mailbox/0.*{expected}"):
+        MailboxTransport().open(store, Placement("attention", 0, 1, 1, 1, 1), 1.0)
+
+    assert not store.check(["afd/mailbox/0/attached"])
 
 
 def test_attention_ranks_beyond_f_open_nothing():

@@ -12,6 +12,7 @@ at import or construction, so CPU-only processes import this module freely.
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import socket
 from collections.abc import Iterable
@@ -19,7 +20,9 @@ from typing import Any, NamedTuple
 
 import torch
 
-__all__ = ["COPY", "CudaDriver", "Op", "WAIT", "WRITE"]
+__all__ = ["COPY", "CudaDriver", "IPC_HANDLE_BYTES", "Op", "WAIT", "WRITE", "mps_running", "warn_without_mps"]
+
+logger = logging.getLogger(__name__)
 
 # The three stream operations, in the order a transport enqueues them.
 COPY, WRITE, WAIT = "copy", "write", "wait"
@@ -37,6 +40,22 @@ IPC_HANDLE_BYTES = 64
 # works; so support is "the driver exports the V2 entry points"
 # (docs/decisions.md#21-stream-memory-operations-detected-by-their-v2-entry-points).
 STREAM_MEM_OPS = ("cuStreamWaitValue32_v2", "cuStreamWriteValue32_v2")
+
+
+def mps_running() -> bool:
+    """Whether an MPS control daemon is reachable: its ``control`` pipe in CUDA_MPS_PIPE_DIRECTORY (default
+    /tmp/nvidia-mps), which is where this process's CUDA client would connect."""
+    return os.path.exists(os.path.join(os.environ.get("CUDA_MPS_PIPE_DIRECTORY") or "/tmp/nvidia-mps", "control"))
+
+
+def warn_without_mps(own: int, sharing: list[int]) -> None:
+    """Warn when AFD rank ``own`` shares its GPU with the AFD ranks ``sharing`` and no MPS daemon runs."""
+    if sharing and not mps_running():
+        logger.warning(
+            "P2pIpcAFDConnector: AFD rank %d shares its GPU with AFD ranks %s without MPS: the GPU time-slices their "
+            "processes, so every exchange waits for a context switch (~0.15 ms each way on an H200) and can stall "
+            "for a whole time slice (~2 ms). Start the roles under MPS (nvidia-cuda-mps-control -d) or give each "
+            "role its own GPU (docs/failures.md#13-one-gpu-two-roles)", own, sharing)
 
 
 class Op(NamedTuple):
@@ -64,6 +83,7 @@ _SIGNATURES: dict[str, list[Any]] = {
     "cuIpcGetMemHandle": [ctypes.POINTER(_IpcHandle), _u64],
     "cuIpcOpenMemHandle_v2": [ctypes.POINTER(_u64), _IpcHandle, ctypes.c_uint],
     "cuIpcCloseMemHandle": [_u64],
+    "cuMemGetAddressRange_v2": [ctypes.POINTER(_u64), ctypes.POINTER(_size), _u64],
     "cuMemHostRegister_v2": [_ptr, _size, ctypes.c_uint],
     "cuMemHostUnregister": [_ptr],
     "cuMemHostGetDevicePointer_v2": [ctypes.POINTER(_u64), _ptr, ctypes.c_uint],
@@ -146,6 +166,13 @@ class CudaDriver:
         self._call("cuIpcOpenMemHandle_v2", ctypes.byref(pointer), _IpcHandle.from_buffer_copy(handle),
                    CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS)
         return pointer.value
+
+    def mapped_size(self, pointer: int) -> int:
+        """Bytes from ``pointer`` to the end of the allocation holding it, as the driver knows it (the
+        allocation's true size, whatever the store said about it)."""
+        base, size = _u64(), _size()
+        self._call("cuMemGetAddressRange_v2", ctypes.byref(base), ctypes.byref(size), pointer)
+        return base.value + size.value - pointer
 
     def ipc_close(self, pointer: int) -> None:
         self._call("cuIpcCloseMemHandle", pointer)

@@ -17,7 +17,8 @@ then publishes ``read_seq = n``.
 Waiting: a receive polls with ``time.sleep(0)`` (a yield: other threads and processes run) for up to
 ``spin_s`` after the last message, then every ``poll_s``, so a stream of steps is picked up within
 microseconds and an idle FFN costs no core. ``abort()`` makes every wait raise at its next poll;
-``close()`` unmaps under the lock the polls take. The page is unlinked once both ends mapped it.
+``close()`` unmaps under the lock the polls take. The page is unlinked once both ends mapped it. The
+page's record in the store is checked before the page is opened (``records.parse_mailbox``).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import torch
 
 from vllm_afd.wire.placement import CONTROL, Placement
 from vllm_afd.wire.transport import SendHandle, Transport
+from vllm_afd.wire.transports.records import parse_mailbox
 from vllm_afd.wire.transports.shm import FlagBlock
 
 __all__ = ["MailboxTransport"]
@@ -69,8 +71,9 @@ class MailboxTransport(Transport):
             return  # attention ranks >= F publish nothing
         key = f"afd/mailbox/{placement.role_rank}"
         wait = lambda keys: store.wait(keys, _timedelta(timeout_s))  # noqa: E731
+        page_bytes = HEADER_BYTES + self.slots * (SLOT_HEADER.size + self.slot_bytes)
         if placement.role == "ffn":
-            page = FlagBlock.create(HEADER_BYTES + self.slots * (SLOT_HEADER.size + self.slot_bytes))
+            page = FlagBlock.create(page_bytes)
             try:
                 self._attach(page)
                 store.set(key, json.dumps({"name": page.name, "host": socket.gethostname(), "slots": self.slots,
@@ -80,7 +83,7 @@ class MailboxTransport(Transport):
                 page.unlink()  # both ends mapped it (or never will): nothing is left behind in /dev/shm
             return
         wait([key])
-        record = json.loads(store.get(key))
+        record = parse_mailbox(store.get(key), key)  # checked before anything is opened
         if record["host"] != socket.gethostname():
             raise RuntimeError(
                 f"{NAME}: attention rank {placement.role_rank} is on {socket.gethostname()} but its control peer, "
@@ -92,7 +95,7 @@ class MailboxTransport(Transport):
                 f"{NAME}: the FFN's control mailbox has {record['slots']} slots of {record['slot_bytes']} bytes, this "
                 f"rank expects {self.slots} of {self.slot_bytes}; run the same vllm_afd version on both roles"
             )
-        self._attach(FlagBlock.attach(record["name"]))
+        self._attach(FlagBlock.attach(record["name"], page_bytes))
         store.set(f"{key}/attached", "1")
 
     def _attach(self, page: FlagBlock) -> None:
