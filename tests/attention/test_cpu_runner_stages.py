@@ -1,7 +1,8 @@
 """The CPU attention runner's stage decision (docs/pingpong.md#33-per-stage-attention-metadata-v1-cpu-runner):
 vLLM's own V1 DP vote (`coordinate_batch_across_dp`, seam `v1-runner-add-ubatch-vote`) around
-`AFDCPUAttentionModelRunner.num_ubatches_for`, over a simulated all-reduce; the runner is built without
-a model (`object.__new__`)."""
+`AFDCPUAttentionModelRunner.num_ubatches_for`, over a simulated all-reduce, and at DP 1 vLLM's own
+`_determine_batch_execution_and_padding` around `should_ubatch_without_dp` (seam `v1-runner-add-ubatch-without-dp`);
+the runner is built without a model (`object.__new__`)."""
 
 from __future__ import annotations
 
@@ -120,3 +121,50 @@ def test_the_seams_default_votes_as_the_pinned_release(counts, threshold, num_ub
                     (call(rank, n) for rank, n in enumerate(counts))]
 
     assert vote(True) == vote(False)
+
+
+# ---- DP 1: no vote; vLLM asks should_ubatch_without_dp (seam v1-runner-add-ubatch-without-dp) -------------------
+
+
+def determine_at_dp_1(runner, num_tokens: int, allowed: bool) -> bool:
+    """V1's own `_determine_batch_execution_and_padding` at DP 1 (eager, no LoRA, no sequence parallelism), as
+    `execute_model` calls it for a decode of `num_tokens` requests; returns its `should_ubatch`."""
+    import numpy as np
+    from vllm.config import CUDAGraphMode
+    from vllm.forward_context import BatchDescriptor
+
+    parallel_config = SimpleNamespace(data_parallel_size=1, tensor_parallel_size=1)
+    runner.parallel_config, runner.uniform_decode_query_len = parallel_config, 1
+    runner.model_config = SimpleNamespace(is_encoder_decoder=False)
+    runner.input_batch = SimpleNamespace(lora_id_to_lora_request={})
+    runner.compilation_config = SimpleNamespace(pass_config=SimpleNamespace(enable_sp=False))
+    runner.vllm_config = SimpleNamespace(parallel_config=parallel_config,
+                                         observability_config=SimpleNamespace(cudagraph_metrics=False))
+    runner.cudagraph_dispatcher = SimpleNamespace(
+        dispatch=lambda num_tokens, **_: (CUDAGraphMode.NONE, BatchDescriptor(num_tokens=num_tokens)))
+    _, _, should_ubatch, num_tokens_across_dp, _ = runner._determine_batch_execution_and_padding(
+        num_tokens=num_tokens, num_reqs=num_tokens, num_scheduled_tokens_np=np.ones(num_tokens, dtype=np.int32),
+        max_num_scheduled_tokens=1, use_cascade_attn=False, allow_microbatching=allowed)
+    assert num_tokens_across_dp is None
+    return should_ubatch
+
+
+@given(num_tokens=st.integers(1, 40), num_stages=st.sampled_from([1, 2, 3]), min_tokens_per_stage=st.integers(1, 4),
+       allowed=st.booleans(), in_execute=st.booleans())
+def test_at_dp_1_an_executed_step_splits_as_the_planner_says_under_vllms_veto(
+        num_tokens, num_stages, min_tokens_per_stage, allowed, in_execute):
+    runner = make_runner(num_stages, min_tokens_per_stage, in_execute=in_execute)
+
+    should_ubatch = determine_at_dp_1(runner, num_tokens, allowed)
+
+    planned = stages_for_step(num_stages, num_tokens, min_tokens_per_stage=min_tokens_per_stage, allowed=allowed)
+    assert should_ubatch is (in_execute and planned > 1)
+
+
+@given(num_tokens=st.integers(1, 40), allowed=st.booleans())
+def test_the_dp_1_seams_default_keeps_every_step_whole_as_the_pinned_release(num_tokens, allowed):
+    """vLLM's own `GPUModelRunner.should_ubatch_without_dp` answers False: at DP 1 the patched V1 runner never
+    micro-batches, as the pinned one, which decides micro-batching only in the DP vote."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    assert determine_at_dp_1(object.__new__(GPUModelRunner), num_tokens, allowed) is False

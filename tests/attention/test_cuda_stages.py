@@ -1,9 +1,10 @@
 """The CUDA attention's micro-batch stages on CPU (docs/pingpong.md § 4.1, § 9): which steps split, which
 capture sizes get a split graph, what each stage publishes, and which contexts run which stage.
 
-vLLM's own graph manager logic runs (`_init_candidates`, `dispatch`) around AFD's two overrides, and vLLM's
-own DP vote (`sync_cudagraph_and_dp_padding`) around `AFDUBatchRunner.num_ubatches_for`; the runners and the
-manager are built without a device (`object.__new__`), their collaborators are recorders.
+vLLM's own graph manager logic runs (`_init_candidates` with its twin rule, `dispatch`) around AFD's `dispatch`
+override and `AFDUBatchRunner.num_ubatches_for` (which vLLM's twin rule asks, seam
+`cudagraph-ask-runner-for-ubatch-twin`), and vLLM's own DP vote (`sync_cudagraph_and_dp_padding`) around the same
+method; the runners and the manager are built without a device (`object.__new__`), their collaborators are recorders.
 """
 
 from __future__ import annotations
@@ -46,7 +47,8 @@ def make_ubatch_runner(num_stages: int, min_tokens_per_stage: int) -> AFDUBatchR
 
 def make_manager(num_stages: int, *, arm: CaptureArm | None = None, connector: Publishes | None = None,
                  min_tokens_per_stage: int = 1, dp_size: int = 1, cudagraph_mode=CUDAGraphMode.FULL_DECODE_ONLY):
-    """vLLM's candidates (FULL_DECODE_ONLY, or none) built by vLLM's `_init_candidates` with AFD's twin rule."""
+    """vLLM's candidates (FULL_DECODE_ONLY, or none) built by vLLM's `_init_candidates`, whose twin rule asks AFD's
+    micro-batch runner for the count."""
     manager = object.__new__(AFDModelCudaGraphManager)
     connector = connector or Publishes()
     runner = SimpleNamespace(afd_capture_arm=arm or CaptureArm(), afd_connector=connector,
@@ -86,6 +88,51 @@ def test_every_capture_size_the_planner_splits_gets_one_split_twin(num_stages, m
 
 def test_one_stage_captures_exactly_vllms_graphs():
     assert [d.num_ubatches for d in make_manager(1)._capture_descs[CUDAGraphMode.FULL]] == [1] * len(CAPTURE_SIZES)
+
+
+def pinned_maybe_ubatch_twin(manager, desc: BatchExecutionDescriptor) -> BatchExecutionDescriptor | None:
+    """`CudaGraphManager._maybe_ubatch_twin` as vLLM 0.30.0 and 0.32.0 release it: DBO's count and thresholds."""
+    from dataclasses import replace
+
+    from vllm.v1.worker.ubatch_utils import check_ubatch_thresholds, get_num_ubatches
+
+    if manager.ubatch_runner is None or desc.cg_mode != CUDAGraphMode.FULL or desc.num_reqs is None:
+        return None
+    uniform_token_count, remainder = divmod(desc.num_tokens, desc.num_reqs)
+    if remainder or desc.uniform_token_count not in (None, uniform_token_count):
+        return None
+    parallel_config = manager.vllm_config.parallel_config
+    num_ubatches = get_num_ubatches(parallel_config)
+    if desc.num_tokens < num_ubatches:
+        return None
+    if not check_ubatch_thresholds(parallel_config, desc.num_tokens, uniform_decode=True):
+        return None
+    return replace(desc, num_ubatches=num_ubatches, uniform_token_count=uniform_token_count)
+
+
+@given(cg_mode=st.sampled_from([CUDAGraphMode.FULL, CUDAGraphMode.PIECEWISE]), num_tokens=st.integers(1, 64),
+       num_reqs=st.none() | st.integers(1, 64), uniform=st.sampled_from([None, 1, 2, 3]),
+       num_ubatches=st.sampled_from([2, 3]), threshold=st.integers(1, 64), dbo=st.booleans())
+def test_the_twin_seams_default_captures_the_pinned_releases_twins(cg_mode, num_tokens, num_reqs, uniform,
+                                                                   num_ubatches, threshold, dbo):
+    """vLLM's own `UBatchRunner.num_ubatches_for` (DBO's thresholds, its count), asked by the patched twin rule,
+    gives the twins the pinned rule gave: patched == pristine for DBO (which builds no micro-batch runner without
+    DBO)."""
+    from vllm.v1.worker.gpu.cudagraph_utils import CudaGraphManager
+    from vllm.v1.worker.gpu.ubatch_utils import UBatchRunner
+
+    parallel_config = SimpleNamespace(use_ubatching=True, num_ubatches=num_ubatches,
+                                      dbo_decode_token_threshold=threshold, dbo_prefill_token_threshold=threshold)
+    manager = object.__new__(CudaGraphManager)
+    manager.vllm_config = SimpleNamespace(parallel_config=parallel_config)
+    manager.ubatch_runner = None
+    if dbo:  # vLLM's default build: UBatchRunner(...) with parallel_config's count
+        manager.ubatch_runner = object.__new__(UBatchRunner)
+        manager.ubatch_runner.parallel_config, manager.ubatch_runner.num_ubatches = parallel_config, num_ubatches
+    desc = BatchExecutionDescriptor(cg_mode=cg_mode, num_tokens=num_tokens, num_reqs=num_reqs,
+                                    uniform_token_count=uniform)
+
+    assert manager._maybe_ubatch_twin(desc) == pinned_maybe_ubatch_twin(manager, desc)
 
 
 @given(num_stages=st.sampled_from([1, 2, 3]), num_tokens=st.integers(1, max(CAPTURE_SIZES)),

@@ -207,6 +207,42 @@ def test_v1_dp_vote_asks_the_runner_for_its_micro_batch_count(pinned_tree: Path)
     assert "_post_process_ubatch(tensor, num_ubatches or parallel_config.num_ubatches)" in sync
 
 
+def test_v1_runner_asks_whether_to_micro_batch_at_dp_1_and_its_default_keeps_every_step_whole(
+        pinned_tree: Path) -> None:
+    """`v1-runner-add-ubatch-without-dp`: at DP 1, where V1 runs no DP vote, `_determine_batch_execution_and_padding`
+    asks `should_ubatch_without_dp` (vetoed steps too) and splits only if it says so and vLLM's veto allows; the
+    default answers False, which is what the pinned runner decides at DP 1.  The DP > 1 vote is untouched."""
+    runner = parse(pinned_tree, V1_RUNNER)
+    hook = find_def(runner, "GPUModelRunner.should_ubatch_without_dp")
+    assert param_names(hook) == ["self", "num_tokens", "uniform_decode", "allow_microbatching"]
+    assert ast.unparse(hook.returns) == "bool"
+    assert ast.get_docstring(hook) and [ast.unparse(s) for s in hook.body[1:]] == ["return False"]
+
+    determine = find_def(runner, "GPUModelRunner._determine_batch_execution_and_padding")
+    asks = call_sites(determine, "should_ubatch_without_dp")
+    assert len(asks) == 1 and len(asks[0].ifs) == 1
+    assert [ast.unparse(a) for a in asks[0].call.args] == ["num_tokens", "uniform_decode", "allow_microbatching"]
+    branch = next(n for n in ast.walk(determine) if isinstance(n, ast.If) and n.lineno == asks[0].ifs[0])
+    assert ast.unparse(branch.test) == "self.vllm_config.parallel_config.data_parallel_size == 1"
+    assert ast.unparse(branch.body) == ("should_ubatch = self.should_ubatch_without_dp(num_tokens, uniform_decode, "
+                                        "allow_microbatching) and allow_microbatching")
+    vote = call_sites(determine, "coordinate_batch_across_dp")
+    assert len(vote) == 1 and asks[0].line < vote[0].line
+
+
+def test_v1_model_forward_stays_vllms_documented_override_point(pinned_tree: Path) -> None:
+    """AFD's CPU runner overrides `GPUModelRunner._model_forward` to run the stages, with no seam (decision 45):
+    vLLM documents it as the method subclasses override for model execution, and `execute_model` runs the model
+    through it.  A rename or a new parameter upstream fails here, not silently in the stages."""
+    runner = parse(pinned_tree, V1_RUNNER)
+    forward = find_def(runner, "GPUModelRunner._model_forward")
+
+    assert param_names(forward) == ["self", "input_ids", "positions", "intermediate_tensors", "inputs_embeds"]
+    assert forward.args.kwarg is not None and forward.args.kwarg.arg == "model_kwargs"
+    assert "This method can be overridden by subclasses for model execution." in ast.get_docstring(forward)
+    assert call_sites(find_def(runner, "GPUModelRunner.execute_model"), "_model_forward")
+
+
 def test_mrv2_dp_vote_asks_the_micro_batch_runner_for_its_count(pinned_tree: Path) -> None:
     """`mrv2-add-ubatch-vote`: execute_model passes its UBatchRunner's `num_ubatches_for` (default: DBO's
     thresholds, its count) to the DP sync, which asks it with the fewest tokens on any rank; without it the
@@ -224,6 +260,23 @@ def test_mrv2_dp_vote_asks_the_micro_batch_runner_for_its_count(pinned_tree: Pat
     sync = ast.unparse(find_def(dp_utils, "sync_cudagraph_and_dp_padding"))
     assert "num_ubatches = num_ubatches_for(min_num_tokens, bool(uniform_decode_across_dp))" in sync
     assert "num_ubatches = get_num_ubatches(parallel_config)" in sync  # the default arm: the pinned pair
+
+
+def test_mrv2_capture_twins_ask_the_micro_batch_runner_for_their_count(pinned_tree: Path) -> None:
+    """`cudagraph-ask-runner-for-ubatch-twin`: which FULL capture sizes get a micro-batched twin is the DP dispatch's
+    rule, `UBatchRunner.num_ubatches_for` (default: DBO's thresholds and count), asked with the capture size as a
+    uniform decode; no twin below 2 micro-batches or with fewer tokens than micro-batches."""
+    twin = find_def(parse(pinned_tree, CUDAGRAPH), "CudaGraphManager._maybe_ubatch_twin")
+    source = ast.unparse(twin)
+
+    asks = call_sites(twin, "num_ubatches_for")
+    assert len(asks) == 1 and ast.unparse(asks[0].call.func) == "self.ubatch_runner.num_ubatches_for"
+    assert [ast.unparse(a) for a in asks[0].call.args] == ["desc.num_tokens", "True"]
+    assert "if num_ubatches < 2 or desc.num_tokens < num_ubatches:" in source
+    assert "check_ubatch_thresholds" not in source and "get_num_ubatches" not in source
+    assert "parallel_config" not in source
+    candidates = find_def(parse(pinned_tree, CUDAGRAPH), "CudaGraphManager._init_candidates")
+    assert len(call_sites(candidates, "_maybe_ubatch_twin")) == 2  # decode and mixed FULL sizes, as pinned
 
 
 def test_before_capture_forward_signature(pinned_tree: Path) -> None:

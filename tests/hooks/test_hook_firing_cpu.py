@@ -5,7 +5,8 @@ One `vllm.LLM` generation of a tiny Qwen3-MoE runs in a subprocess with the prob
 tests then check: the config hook ran in the front end while `worker_cls` was "auto" and
 picked the probe worker; `_make_model_runner` ran exactly once, in the worker; every model
 forward ran inside exactly one forward context whose hook fired; the worker executed one
-step per generated token (prefill + decodes).
+step per generated token (prefill + decodes); the V1 runner asked its DP-1 micro-batch hook
+once per executed step and, by vLLM's default, split none.
 """
 
 from __future__ import annotations
@@ -92,7 +93,7 @@ def test_make_model_runner_ran_exactly_once_in_the_worker(run: Run) -> None:
 
     assert len(calls) == 1
     assert calls[0]["pid"] != run.front_end_pid
-    assert (calls[0]["worker"], calls[0]["runner"]) == ("ProbeCPUWorker", "CPUModelRunner")
+    assert (calls[0]["worker"], calls[0]["runner"]) == ("ProbeCPUWorker", "ProbeCPUModelRunner")
 
 
 def test_every_model_forward_ran_in_one_hooked_forward_context(run: Run) -> None:
@@ -115,3 +116,17 @@ def test_one_step_per_generated_token(run: Run) -> None:
     assert len(run.result["token_ids"]) == NUM_TOKENS
     assert real_steps == [num_prompt] + [1] * (NUM_TOKENS - 1)
     assert len(run.of("model_forward", worker_pid)) >= len(real_steps)
+
+
+def test_the_dp_1_micro_batch_hook_is_asked_once_per_step_and_its_default_keeps_each_whole(run: Run) -> None:
+    """`v1-runner-add-ubatch-without-dp`: at DP 1 `_determine_batch_execution_and_padding` asks the runner for
+    every executed step, with its tokens and vLLM's veto answer (the veto only looks when the runner
+    micro-batches, so it allows); vLLM's default answers False."""
+    worker_pid = run.of("make_model_runner")[0]["pid"]
+    asked = run.of("should_ubatch_without_dp", worker_pid)
+    steps = [e["num_scheduled_tokens"] for e in run.of("execute_model", worker_pid)]
+    real_steps = [n for n in steps if n > 0]
+
+    assert [e["num_tokens"] for e in asked] == real_steps
+    assert [e["uniform_decode"] for e in asked] == [False] + [True] * (len(real_steps) - 1)
+    assert {(e["allow_microbatching"], e["answer"]) for e in asked} == {(True, False)}

@@ -23,10 +23,8 @@ thresholds; a private method, pinned by tests/attention/test_cuda_stages.py, whi
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Any
 
-from vllm.config import CUDAGraphMode
 from vllm.v1.worker.gpu.cudagraph_utils import ModelCudaGraphManager
 
 from vllm_afd.attention.stages import stage_sizes
@@ -77,18 +75,6 @@ class AFDModelCudaGraphManager(ModelCudaGraphManager):
                                                                uniform_token_count == self.decode_query_len)
         return super().dispatch(num_reqs, num_tokens, uniform_token_count, num_active_loras,
                                 max_query_len=max_query_len, num_ubatches=num_ubatches)
-
-    def _maybe_ubatch_twin(self, desc: Any) -> Any:
-        """A FULL uniform-decode capture size the planner splits gets a twin graph of `num_stages` stages."""
-        if self.ubatch_runner is None or desc.cg_mode != CUDAGraphMode.FULL or not desc.num_reqs:
-            return None
-        per_request, remainder = divmod(desc.num_tokens, desc.num_reqs)
-        if remainder or per_request != self.decode_query_len or desc.uniform_token_count not in (None, per_request):
-            return None
-        num_stages = self.ubatch_runner.num_ubatches_for(desc.num_tokens, True)
-        if num_stages == 1:
-            return None
-        return replace(desc, num_ubatches=num_stages, uniform_token_count=per_request)
 
 
 def bind_cudagraph_manager(runner: Any) -> type[AFDModelCudaGraphManager]:

@@ -63,22 +63,16 @@ class AFDCPUAttentionModelRunner(AFDAttentionRunnerMixin, CPUModelRunner):
             return 1
         return stages_for_step(self.afd_num_stages, num_tokens, min_tokens_per_stage=self.afd_min_tokens_per_stage)
 
-    def _determine_batch_execution_and_padding(self, *args: Any, **kwargs: Any) -> Any:
-        """V1 sets `should_ubatch` only through its DP vote, which it skips at DP 1: there the planner answers
-        (`num_ubatches_for`), and vLLM's prefix-cache veto (`allow_microbatching`) keeps a step whole."""
-        mode, desc, should_ubatch, tokens_across_dp, stats = super()._determine_batch_execution_and_padding(
-            *args, **kwargs)
-        if self.parallel_config.data_parallel_size == 1 and self._afd_in_execute and self.afd_num_stages > 1:
-            wanted = self.num_ubatches_for(kwargs["num_tokens"], False)
-            allowed = kwargs.get("allow_microbatching", True)
-            if wanted > 1 and not allowed:
-                # NOTE: the evidence the prefix-hit e2e case reads (tests/e2e/test_afd_stages.py); once per step size,
-                # since a shared prompt prefix under load can make it frequent.
-                logger.info_once("AFD CPU attention: vLLM vetoed splitting a step of %d tokens (a prefix-cache reader "
-                                 "and its writer in one batch, _allow_microbatching); it runs as 1 stage",
-                                 kwargs["num_tokens"])
-            should_ubatch = allowed and wanted > 1
-        return mode, desc, should_ubatch, tokens_across_dp, stats
+    def should_ubatch_without_dp(self, num_tokens: int, uniform_decode: bool, allow_microbatching: bool) -> bool:
+        """Patch `v1-runner-add-ubatch-without-dp`: at DP 1, where V1 runs no DP vote, the planner answers
+        (`num_ubatches_for`), and vLLM's prefix-cache veto (`allow_microbatching` False) keeps a step whole."""
+        wanted = self.num_ubatches_for(num_tokens, uniform_decode)
+        if wanted > 1 and not allow_microbatching:
+            # NOTE: the evidence the prefix-hit e2e case reads (tests/e2e/test_afd_stages.py); once per step size,
+            # since a shared prompt prefix under load can make it frequent.
+            logger.info_once("AFD CPU attention: vLLM vetoed splitting a step of %d tokens (a prefix-cache reader "
+                             "and its writer in one batch, _allow_microbatching); it runs as 1 stage", num_tokens)
+        return allow_microbatching and wanted > 1
 
     def _model_forward(self, input_ids: torch.Tensor | None = None, positions: torch.Tensor | None = None,
                        intermediate_tensors: Any = None, inputs_embeds: torch.Tensor | None = None,
