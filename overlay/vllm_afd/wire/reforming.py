@@ -4,7 +4,9 @@ Both roles re-form the same way: the FFN when its attention is lost (ffn/runner.
 attention when its FFN is lost (attention/healing.py).  ``AFDConnector.reform`` is one attempt;
 this is the wait around it.  A returning peer whose handshake disagrees (another model, other AFD
 settings) is refused: its own start-up fails naming the fields, and this side keeps waiting for
-one that agrees, so a wrong restart never ends the survivor's wait early.
+one that agrees, so a wrong restart never ends the survivor's wait early.  So is a pairing whose
+store values fail their checks (``AFDProtocolError``, docs/connection.md#store-values): a stray or
+hostile store client cannot end the wait either.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-from vllm_afd.wire.errors import AFDConfigMismatchError, AFDLayoutError, AFDRendezvousTimeout
+from vllm_afd.wire.errors import AFDConfigMismatchError, AFDLayoutError, AFDProtocolError, AFDRendezvousTimeout
 from vllm_afd.wire.placement import Role
 
 if TYPE_CHECKING:
@@ -45,7 +47,7 @@ def pair_again(connector: AFDConnector, timeout_s: float, cause: BaseException, 
         try:
             connector.reform(max(deadline - time.monotonic(), MIN_ATTEMPT_S))
             break
-        except (AFDConfigMismatchError, AFDLayoutError) as exc:
+        except (AFDConfigMismatchError, AFDLayoutError, AFDProtocolError) as exc:
             refused = exc
             logger.error("AFD %s: refused a returning %s: %s; still waiting", label, peer.removeprefix("the "), exc)
         except AFDRendezvousTimeout as exc:
