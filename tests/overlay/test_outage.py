@@ -12,7 +12,7 @@ from vllm_afd import plugin
 from vllm_afd.metrics import METRICS_DIR_ENV, PROMETHEUS_DIR_ENV
 from vllm_afd.outage import clear_outage, outage_message, outage_notice_writer, read_outage, record_outage
 from vllm_afd.wire.errors import AFDPeerLostError
-from vllm_afd.wire.watchdog import FailureLatch
+from vllm_afd.wire.failure import FailureLatch
 
 pytest.importorskip("vllm")
 

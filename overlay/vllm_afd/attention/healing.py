@@ -27,7 +27,7 @@ from collections.abc import Callable
 from vllm_afd.outage import clear_outage, outage_message, record_outage
 from vllm_afd.wire.connector import AFDConnector
 from vllm_afd.wire.reforming import pair_again
-from vllm_afd.wire.watchdog import terminate_process
+from vllm_afd.wire.failure import terminate_process
 
 __all__ = ["AttentionHealer"]
 

@@ -32,7 +32,7 @@ from vllm_afd.connect import build_connector
 from vllm_afd.metrics import metrics_dir
 from vllm_afd.telemetry import Telemetry
 from vllm_afd.wire.placement import Placement
-from vllm_afd.wire.watchdog import terminate_process
+from vllm_afd.wire.failure import terminate_process
 
 
 class AFDAttentionRunnerMixin:

@@ -11,22 +11,18 @@ stored error chained to the cause.
 
 from __future__ import annotations
 
-import os
-import signal
 import threading
 from typing import Any
 
 from vllm.logger import init_logger
 
 from vllm_afd.wire.errors import AFDPeerLostError, AFDStepTimeoutError
+from vllm_afd.wire.failure import terminate_process
 
 logger = init_logger(__name__)
 
 THREAD_NAME = "afd-ffn-loop"
 JOIN_TIMEOUT_S = 5.0
-# After a loop error the worker asks itself to stop (SIGTERM: vLLM's worker handler
-# shuts down in order), and exits hard if that has not happened after this grace.
-TERMINATE_GRACE_S = 2.0
 
 
 class FFNLoop:
@@ -69,15 +65,9 @@ class FFNLoop:
             self.error = exc
             logger.exception("AFD FFN worker loop failed")
             if self.terminate_on_error:
-                self._terminate_process()
-
-    def _terminate_process(self) -> None:
-        """Bring the FFN engine down: vLLM notices the dead worker and exits."""
-        self.runner.close_connector()
-        os.kill(os.getpid(), signal.SIGTERM)
-        timer = threading.Timer(TERMINATE_GRACE_S, os._exit, args=(1,))
-        timer.daemon = True
-        timer.start()
+                # NOTE: the FFN engine comes down (SIGTERM, then a hard exit): vLLM notices the dead worker.
+                self.runner.close_connector()
+                terminate_process(exc)
 
     def raise_if_failed(self) -> None:
         if self.error is not None:

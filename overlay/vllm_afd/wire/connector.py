@@ -30,7 +30,8 @@ from vllm_afd.wire.spec import ConnectorSpec
 from vllm_afd.wire.steps import StepState
 from vllm_afd.wire.timeline import NULL_TIMELINE, NullTimeline, StepRecord, Timeline, make_timeline
 from vllm_afd.wire.transport import SendHandle, Transport
-from vllm_afd.wire.watchdog import NULL_WATCHDOG, FailureLatch, NullWatchdog, Watchdog, WatchdogSpec, terminate_process
+from vllm_afd.wire.failure import FailureLatch, terminate_process
+from vllm_afd.wire.watchdog import NULL_WATCHDOG, NullWatchdog, Watchdog, WatchdogSpec
 
 __all__ = ["AFDConnector", "ConnectorSpec"]
 
