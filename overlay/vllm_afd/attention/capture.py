@@ -15,10 +15,9 @@ runner's `CaptureArm`: the next descriptor-less contexts are that forward's stag
 
 With `num_stages` > 1 (docs/pingpong.md#41-model-runner-v2-cuda,
 docs/pingpong.md#9-cuda-graphs-full_decode_only) the manager also decides, per step, whether
-a uniform decode step splits (`dispatch`), and which capture sizes get a split twin graph
-(`_maybe_ubatch_twin`: vLLM's rule with AFD's count and planner in place of DBO's count and
-thresholds; a private method, pinned by tests/attention/test_cuda_stages.py, which runs vLLM's own
-`_init_candidates` around it).
+a uniform decode step splits (`dispatch`); which capture sizes get a split twin graph is vLLM's own
+rule, which asks the micro-batch runner's `num_ubatches_for` (seam `cudagraph-ask-runner-for-ubatch-twin`,
+attention/cuda_stages.py).
 """
 
 from __future__ import annotations

@@ -17,7 +17,8 @@ runner only for DBO at DP > 1; the seam `mrv2-add-num-ubatches` lets the AFD run
   step runs, by the planner (`attention/stages.py`, with `min_tokens_per_stage`).  At DP 1 the graph
   manager's `dispatch` asks it (capture.py); at DP > 1 vLLM's DP vote asks it with the fewest tokens
   on any rank, so every rank splits and pads alike or none does
-  (docs/pingpong.md#31-stage-count-and-ranges-attentionstagespy).
+  (docs/pingpong.md#31-stage-count-and-ranges-attentionstagespy); and vLLM's capture rule asks it which
+  sizes get a split twin graph (seam `cudagraph-ask-runner-for-ubatch-twin`).
 * `DBO_BATON`: the send op's yield (`attention/step.py`), which is vLLM's `dbo_yield` (a no-op outside
   the micro-batch threads), so stage j+1 issues its attention while stage j's rows travel and the
   FFN computes them: the (layer, stage) order that cannot deadlock
