@@ -36,7 +36,7 @@ from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.utils import floatToGoString
 
 from vllm_afd.wire.timeline import A2F_SEND_START, F2A_RECV_END, StepRecord
-from vllm_afd.wire.placement import Role
+from vllm_afd.role import Role
 
 __all__ = [
     "BUCKETS_S",

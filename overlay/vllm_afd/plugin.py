@@ -25,7 +25,7 @@ import os
 from typing import TYPE_CHECKING
 
 from vllm_afd.config import parse_afd_config
-from vllm_afd.wire.placement import Role
+from vllm_afd.role import Role
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from vllm_afd.config import AFDConfig
 from vllm_afd.releases import compile_sequence_parallelism
-from vllm_afd.wire.placement import Role
+from vllm_afd.role import Role
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

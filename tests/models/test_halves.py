@@ -201,7 +201,7 @@ def test_routing_spec_describes_the_attention_routers_output(zoo, arch):
     for idx in ffn.model.get_experts_layer_indices():
         spec = ffn.model.get_experts_routing_spec(idx)
         logits, _ = attention.run(lambda: attention.model.model.layers[idx].mlp.gate(hidden))
-        assert (spec.width, spec.dtype) == (logits.shape[1], logits.dtype)
+        assert spec == (logits.shape[1], logits.dtype)
         assert attention.model.get_experts_routing_spec(idx) == spec
     with pytest.raises(RuntimeError, match="layer 0 is dense; expected a MoE layer"):
         ffn.model.get_experts_routing_spec(0)

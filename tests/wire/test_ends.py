@@ -9,7 +9,8 @@ from tests.connectors._harness import QueueTransport, free_port, make_fingerprin
 from vllm_afd.wire.attention_end import AttentionConnector
 from vllm_afd.wire.ends import make_connector
 from vllm_afd.wire.ffn_end import FFNConnector
-from vllm_afd.wire.placement import Placement, Role
+from vllm_afd.role import Role
+from vllm_afd.wire.placement import Placement
 
 
 @pytest.mark.parametrize(("role", "end"), [("attention", AttentionConnector), ("ffn", FFNConnector),

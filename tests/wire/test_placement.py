@@ -7,7 +7,8 @@ import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from vllm_afd.wire.placement import A2F, CONTROL, F2A, Placement, Role
+from vllm_afd.role import Role
+from vllm_afd.wire.placement import A2F, CONTROL, F2A, Placement
 from vllm_afd.wire.topology import attention_block, compute_role_rank, ffn_rank_for_attention
 
 

@@ -1,4 +1,4 @@
-"""vllm_afd.wire.reforming.pair_again: which failed attempts are refusals to wait past, which end the wait.
+"""vllm_afd.wire.reforming.reform_within: which failed attempts are refusals to wait past, which end the wait.
 
 A recording fake stands in for the connector: ``reform`` raises the scripted errors in turn, then pairs.
 The real re-formations (processes, stores, transports) are tests/connectors/test_connectors_gloo.py's.
@@ -14,7 +14,7 @@ from vllm_afd.wire.errors import (
     AFDConfigMismatchError, AFDLayoutError, AFDPeerLostError, AFDProtocolError, AFDRendezvousTimeout,
 )
 from vllm_afd.wire.placement import Placement
-from vllm_afd.wire.reforming import pair_again
+from vllm_afd.wire.reforming import reform_within
 
 
 class ScriptedConnector:
@@ -41,7 +41,7 @@ class ScriptedConnector:
 def test_a_refused_pairing_is_logged_and_the_wait_goes_on(refusal, caplog):
     connector = ScriptedConnector(refusal, refusal)
 
-    pair_again(connector, 30.0, AFDPeerLostError("lost"), peer="the attention", then="this FFN exits")
+    reform_within(connector, 30.0, AFDPeerLostError("lost"), peer="the attention", then="this FFN exits")
 
     assert len(connector.attempts) == 3 and connector.reformations == 1
     assert caplog.text.count("refused a returning attention") == 2 and str(refusal) in caplog.text
@@ -59,13 +59,13 @@ def test_a_forged_store_value_until_the_deadline_names_the_last_refusal():
     connector = ForgedEveryTime()
 
     with pytest.raises(AFDRendezvousTimeout, match="one returned but was refused: the NCCL unique id"):
-        pair_again(connector, 0.05, AFDPeerLostError("lost"), peer="the attention", then="this FFN exits")
+        reform_within(connector, 0.05, AFDPeerLostError("lost"), peer="the attention", then="this FFN exits")
 
 
 def test_a_rendezvous_timeout_ends_the_wait_at_once():
     connector = ScriptedConnector(AFDRendezvousTimeout("nobody came"))
 
     with pytest.raises(AFDRendezvousTimeout, match="did not return with an agreeing handshake"):
-        pair_again(connector, 30.0, AFDPeerLostError("lost"), peer="the attention", then="this FFN exits")
+        reform_within(connector, 30.0, AFDPeerLostError("lost"), peer="the attention", then="this FFN exits")
 
     assert len(connector.attempts) == 1

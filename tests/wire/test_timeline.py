@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from vllm_afd.wire.clocks import HostClock
 from vllm_afd.wire.messages import ControlPayload
-from vllm_afd.wire.placement import Role
+from vllm_afd.role import Role
 from vllm_afd.wire.timeline import (
     ATTENTION_MARKS,
     FFN_MARKS,

@@ -26,7 +26,7 @@ from collections.abc import Callable
 
 from vllm_afd.outage import clear_outage, outage_message, record_outage
 from vllm_afd.wire.connector import AFDConnector
-from vllm_afd.wire.reforming import pair_again
+from vllm_afd.wire.reforming import reform_within
 from vllm_afd.wire.failure import terminate_process
 
 __all__ = ["AttentionHealer"]
@@ -83,7 +83,7 @@ class AttentionHealer:
         try:
             # NOTE: the connector re-announces this rank's start-up as done: a healed rank runs no
             # profile, and a graph re-capture (attention/runner.py) is timed per exchange like a step.
-            pair_again(self.connector, self.reform_timeout_s, cause, peer="the FFN", then=GAVE_UP)
+            reform_within(self.connector, self.reform_timeout_s, cause, peer="the FFN", then=GAVE_UP)
         except BaseException as exc:  # noqa: BLE001 - recorded, then reported by heal() or by terminating
             self._error = exc
             logger.error("%s", exc)

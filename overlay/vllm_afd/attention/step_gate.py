@@ -16,13 +16,13 @@ from typing import Any
 
 import torch
 
-from vllm_afd.wire.connector import AFDConnector
+from vllm_afd.wire.attention_end import AttentionConnector
 from vllm_afd.wire.errors import AFDPeerLostError
 
 __all__ = ["LocalStepGate", "TensorParallelStepGate", "make_step_gate"]
 
 
-def _raise(connector: AFDConnector, failure: BaseException) -> None:
+def _raise(connector: AttentionConnector, failure: BaseException) -> None:
     connector.check_failed()  # NOTE: the sticky failure goes through the latch, which marks it observed
     raise failure
 
@@ -30,7 +30,7 @@ def _raise(connector: AFDConnector, failure: BaseException) -> None:
 class LocalStepGate:
     """One attention rank per server (TP 1): raise this connector's failure."""
 
-    def __init__(self, connector: AFDConnector) -> None:
+    def __init__(self, connector: AttentionConnector) -> None:
         self.connector = connector
 
     def check(self) -> None:
@@ -42,7 +42,7 @@ class LocalStepGate:
 class TensorParallelStepGate:
     """TP > 1: every rank raises if any rank's connector has failed, none otherwise (one all-reduce)."""
 
-    def __init__(self, connector: AFDConnector, cpu_group: Any) -> None:
+    def __init__(self, connector: AttentionConnector, cpu_group: Any) -> None:
         self.connector = connector
         self.cpu_group = cpu_group
         self._flag = torch.zeros(1, dtype=torch.int32)  # [1]: 1 once this rank's connector failed
@@ -61,5 +61,6 @@ class TensorParallelStepGate:
         _raise(self.connector, failure)
 
 
-def make_step_gate(connector: AFDConnector, tp_size: int, cpu_group: Any) -> LocalStepGate | TensorParallelStepGate:
+def make_step_gate(connector: AttentionConnector, tp_size: int,
+                   cpu_group: Any) -> LocalStepGate | TensorParallelStepGate:
     return LocalStepGate(connector) if tp_size == 1 else TensorParallelStepGate(connector, cpu_group)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from vllm_afd.role import Role
+
 AFD_KEY = "afd"
-ROLES = ("attention", "ffn")
+ROLES = tuple(role.value for role in Role)
 # NCCL: one GPU per rank, across hosts; IPC: ranks of one node (one GPU or peer GPUs); gloo: CPU, eager.
 CONNECTORS = ("P2pNcclAFDConnector", "P2pGlooAFDConnector", "P2pIpcAFDConnector")
 # What to use instead, in the messages that refuse a connector name.

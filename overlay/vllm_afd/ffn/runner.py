@@ -24,9 +24,9 @@ from vllm_afd.ffn.graphs import FFNGraphCache, graph_key, run_mode
 from vllm_afd.telemetry import Telemetry
 from vllm_afd.validation import graph_mode
 from vllm_afd.wire.errors import AFDProtocolError
-from vllm_afd.wire.messages import ControlPayload
+from vllm_afd.wire.messages import ControlPayload, RoutingSpec
 from vllm_afd.wire.placement import Placement
-from vllm_afd.wire.reforming import pair_again
+from vllm_afd.wire.reforming import reform_within
 
 logger = init_logger(__name__)
 
@@ -130,7 +130,7 @@ class AFDFFNModelRunner:
         if self.graphs is not None:
             self.graphs.clear()
         self._missing_graphs.clear()
-        pair_again(self.connector, self.reform_timeout_s, cause, peer="the attention",
+        reform_within(self.connector, self.reform_timeout_s, cause, peer="the attention",
                    then="this FFN exits. Restart the attention with the FFN's model and AFD settings within "
                         "reform_timeout_s, or raise it")
 
@@ -183,7 +183,7 @@ class AFDFFNModelRunner:
         output = None
         with override_forward_context(context):
             for layer_idx in layers:
-                routing = (self.model.get_experts_routing_spec(layer_idx)
+                routing = (RoutingSpec(*self.model.get_experts_routing_spec(layer_idx))
                            if self.gate_on_attention else None)
                 for stage in payload.stages:
                     batch = self.connector.recv_a2f(stage, routing)

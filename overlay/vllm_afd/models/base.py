@@ -26,7 +26,7 @@ from vllm.model_executor.models.utils import PPMissingLayer, extract_layer_index
 from vllm_afd.config import afd_config_of
 from vllm_afd.models.proxy import RemoteFFNProxy
 from vllm_afd.models.split import filter_weights, moe_layer_indices, num_routed_experts
-from vllm_afd.wire.placement import Role
+from vllm_afd.role import Role
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -203,12 +203,10 @@ class AFDCausalLMMixin:
         """The MoE layer indices: the layers that cross when the gate runs on attention."""
         return self.afd_moe_layers
 
-    def get_experts_routing_spec(self, layer_idx: int) -> Any:
-        """Width and dtype of the router logits MoE layer `layer_idx` receives."""
-        from vllm_afd.wire.messages import RoutingSpec
-
+    def get_experts_routing_spec(self, layer_idx: int) -> tuple[int, torch.dtype]:
+        """(width, dtype) of the router logits MoE layer `layer_idx` receives (the FFN runner's `RoutingSpec`)."""
         self._check_layer("get_experts_routing_spec", layer_idx, want_moe=True, want_ffn=False)
-        return RoutingSpec(num_routed_experts(self.config), self.afd_router_logits_dtype)
+        return num_routed_experts(self.config), self.afd_router_logits_dtype
 
     def compute_ffn_output(self, hidden_states: torch.Tensor, layer_idx: int) -> torch.Tensor:
         """The layer's full MLP/MoE output (router, experts, shared experts, scaling, TP reduce)."""

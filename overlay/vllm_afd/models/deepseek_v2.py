@@ -41,7 +41,7 @@ from vllm_afd.models.base import (
     moe_block_cls,
 )
 from vllm_afd.models.proxy import RemoteMoEProxyMixin
-from vllm_afd.wire.placement import Role
+from vllm_afd.role import Role
 
 __all__ = [
     "AFDDeepseekV2DecoderLayer",

@@ -11,7 +11,8 @@ from typing import Any
 from vllm_afd.wire.attention_end import AttentionConnector
 from vllm_afd.wire.ffn_end import FFNConnector
 from vllm_afd.wire.handshake import Fingerprint
-from vllm_afd.wire.placement import Placement, Role
+from vllm_afd.role import Role
+from vllm_afd.wire.placement import Placement
 from vllm_afd.wire.spec import ConnectorSpec
 from vllm_afd.wire.transport import Transport
 

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from vllm_afd.wire.errors import AFDConfigMismatchError, AFDProtocolError
-from vllm_afd.wire.placement import Placement, Role
+from vllm_afd.role import Role
+from vllm_afd.wire.placement import Placement
 from vllm_afd.wire.topology import check_layout
 
 __all__ = [

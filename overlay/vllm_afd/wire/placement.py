@@ -10,9 +10,9 @@ and not needed after it: the attention publishes one row count per attention ran
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass
 
+from vllm_afd.role import Role
 from vllm_afd.wire.topology import (
     afd_rank,
     attention_block,
@@ -26,20 +26,6 @@ __all__ = ["A2F", "CONTROL", "F2A", "Placement", "Role"]
 # The three channels: hidden states attention -> FFN, FFN output FFN -> attention, and one control
 # payload per step from attention rank k to FFN rank k.
 A2F, F2A, CONTROL = "a2f", "f2a", "ctrl"
-
-
-class Role(str, enum.Enum):
-    """The two AFD roles; a member equals, hashes and prints as its config string ("attention", "ffn").
-
-    NOTE: ``enum.StrEnum`` written out (it is Python 3.11+, the overlay supports 3.10): ``str()`` and
-    ``format()`` give the value, so messages, metric labels and JSON read as before.
-    """
-
-    ATTENTION = "attention"
-    FFN = "ffn"
-
-    __str__ = str.__str__
-    __format__ = str.__format__
 
 
 @dataclass(frozen=True, slots=True)

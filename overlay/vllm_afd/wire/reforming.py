@@ -16,12 +16,12 @@ import time
 from typing import TYPE_CHECKING
 
 from vllm_afd.wire.errors import AFDConfigMismatchError, AFDLayoutError, AFDProtocolError, AFDRendezvousTimeout
-from vllm_afd.wire.placement import Role
+from vllm_afd.role import Role
 
 if TYPE_CHECKING:
     from vllm_afd.wire.connector import AFDConnector
 
-__all__ = ["pair_again"]
+__all__ = ["reform_within"]
 
 logger = logging.getLogger(__name__)
 
@@ -29,8 +29,8 @@ logger = logging.getLogger(__name__)
 MIN_ATTEMPT_S = 0.1
 
 
-def pair_again(connector: AFDConnector, timeout_s: float, cause: BaseException, *, peer: str,
-               then: str) -> float:
+def reform_within(connector: AFDConnector, timeout_s: float, cause: BaseException, *, peer: str,
+                  then: str) -> float:
     """Re-form ``connector`` within ``timeout_s``; returns the seconds it took.
 
     ``peer`` names what was lost ("the attention", "the FFN"), ``then`` what happens when it does

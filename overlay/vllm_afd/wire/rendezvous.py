@@ -22,7 +22,8 @@ from typing import Any
 
 from vllm_afd.wire.errors import AFDPeerLostError, AFDRendezvousTimeout
 from vllm_afd.wire.handshake import Fingerprint, compare_fingerprints
-from vllm_afd.wire.placement import Placement, Role
+from vllm_afd.role import Role
+from vllm_afd.wire.placement import Placement
 
 __all__ = [
     "KEY_PREFIX",

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 from vllm_afd.wire.errors import AFDProtocolError
 from vllm_afd.wire.messages import ControlPayload
-from vllm_afd.wire.placement import Placement, Role
+from vllm_afd.role import Role
+from vllm_afd.wire.placement import Placement
 from vllm_afd.wire.topology import expand_dp_counts, rows
 
 __all__ = ["Stage", "StepState"]

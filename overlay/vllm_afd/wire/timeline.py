@@ -28,7 +28,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Protocol
 
 from vllm_afd.wire.messages import ControlPayload
-from vllm_afd.wire.placement import Role
+from vllm_afd.role import Role
 
 __all__ = [
     "ATTENTION_MARKS",

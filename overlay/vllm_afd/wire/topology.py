@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from vllm_afd.role import Role
 from vllm_afd.wire.errors import AFDLayoutError
 
 __all__ = [
@@ -25,7 +26,7 @@ __all__ = [
     "rows",
 ]
 
-_ROLES = ("attention", "ffn")
+_ROLES = tuple(role.value for role in Role)
 
 
 def _ceil_div(numerator: int, denominator: int) -> int:
@@ -66,7 +67,7 @@ def compute_role_rank(role: str, dp_rank: int, tp_rank: int, tp_size: int, role_
 def afd_rank(role: str, role_rank: int, num_ffn_ranks: int) -> int:
     """Index in the FFN-first combined space: FFN k -> k, attention j -> F + j."""
     _check_role(role)
-    return role_rank if role == "ffn" else num_ffn_ranks + role_rank
+    return role_rank if role == Role.FFN else num_ffn_ranks + role_rank
 
 
 def ffn_rank_for_attention(attention_rank: int, num_attention_ranks: int, num_ffn_ranks: int) -> int:
@@ -157,8 +158,8 @@ def check_layout(
     """
     shape = f"attention DPxTP = {attention_dp}x{attention_tp}, FFN DPxTP = {ffn_dp}x{ffn_tp}"
     for role, dp, tp, total in (
-        ("attention", attention_dp, attention_tp, num_attention_ranks),
-        ("ffn", ffn_dp, ffn_tp, num_ffn_ranks),
+        (Role.ATTENTION, attention_dp, attention_tp, num_attention_ranks),
+        (Role.FFN, ffn_dp, ffn_tp, num_ffn_ranks),
     ):
         if dp < 1 or tp < 1 or dp * tp != total:
             raise AFDLayoutError(

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 
 from vllm_afd.wire.errors import AFDPeerLostError, AFDStepTimeoutError
 from vllm_afd.wire.failure import FailureLatch
-from vllm_afd.wire.placement import Placement, Role
+from vllm_afd.role import Role
+from vllm_afd.wire.placement import Placement
 
 __all__ = ["NULL_WATCHDOG", "STARTUP_DONE_KEY", "NullWatchdog", "Watchdog", "WatchdogSpec"]
 

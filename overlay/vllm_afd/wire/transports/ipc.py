@@ -40,6 +40,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from vllm_afd.role import Role
 from vllm_afd.wire.errors import AFDProtocolError
 from vllm_afd.wire.placement import CONTROL, Placement
 from vllm_afd.wire.transport import DONE, SendHandle, Transport
@@ -115,7 +116,7 @@ class IpcTransport(Transport):
         warn_without_mps(own, ranks_sharing_gpu(records, own))
         # Peer access is checked by the writer; the verdicts are exchanged, so every rank refuses before it allocates.
         verdict = next((f"AFD rank {own} cannot write into AFD rank {rank}'s GPU memory: {issue}"
-                        for rank in (members[1:] if placement.role == "ffn" else members[:1])
+                        for rank in (members[1:] if placement.role == Role.FFN else members[:1])
                         if (issue := driver.peer_problem(records[rank]["gpu"])) is not None), None)
         verdict = exchange_access(store, prefix, own, verdict, members, deadline)
         if verdict is not None:

@@ -33,6 +33,7 @@ from typing import Any, Callable
 
 import torch
 
+from vllm_afd.role import Role
 from vllm_afd.wire.placement import CONTROL, Placement
 from vllm_afd.wire.transport import SendHandle, Transport
 from vllm_afd.wire.transports.records import parse_mailbox
@@ -72,7 +73,7 @@ class MailboxTransport(Transport):
         key = f"afd/mailbox/{placement.role_rank}"
         wait = lambda keys: store.wait(keys, _timedelta(timeout_s))  # noqa: E731
         page_bytes = HEADER_BYTES + self.slots * (SLOT_HEADER.size + self.slot_bytes)
-        if placement.role == "ffn":
+        if placement.role == Role.FFN:
             page = FlagBlock.create(page_bytes)
             try:
                 self._attach(page)
