@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The project's test command (README): set up one venv per supported vLLM release, run the
 # gates, then every test tier on each release, then the advisory rebase report.
-#   tier 1  gates: monkeypatch AST check, ruff, links; per series: patch lint, zero-fuzz check on both wheels
-#           of its pin, patches up to date; the committed rebase report names the current series
+#   tier 1  gates: monkeypatch and unpickling AST checks, ruff, links; per series: patch lint, zero-fuzz
+#           check on both wheels of its pin, patches up to date; the committed rebase report names the
+#           current series
 #   tier 2  fast tests, `pytest -m "not e2e"` (tests/ mirrors the product: docs/testing.md), on every
 #           release; the release-free folders (RELEASE_FREE below) on VLLM_PIN's only
 #   tier 3  e2e tests: real vLLM processes on loopback; the full set on VLLM_PIN's release, the
@@ -13,8 +14,8 @@
 # Pass pytest arguments after `--`, e.g. `bash ci/test.sh -- -k config`.  AFD_PINS selects the
 # releases (default: every VLLM_PIN* file), e.g. AFD_PINS=VLLM_PIN for the oldest only.
 # `bash ci/test.sh --fast [-- <pytest args>]` is the inner loop (about a minute): the cheap gates
-# (monkeypatch check, ruff, links) and the fast vLLM-free tests (FAST_TESTS) on .venv, which it
-# sets up only when .venv is not ready; no wheels, no second release, no e2e.
+# (monkeypatch and unpickling checks, ruff, links) and the fast vLLM-free tests (FAST_TESTS) on .venv,
+# which it sets up only when .venv is not ready; no wheels, no second release, no e2e.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 FAST=
@@ -42,6 +43,7 @@ models_of() {  # tiny checkpoints per release: their recipe hash includes the ve
 }
 cheap_gates() {
     "$PY" ci/check_no_monkeypatch.py overlay scripts tests/harness
+    "$PY" ci/check_no_unpickling.py overlay
     "$PY" -m ruff check .
     "$PY" ci/check_links.py README.md docs evidence
 }

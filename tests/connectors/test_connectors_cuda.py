@@ -1,7 +1,9 @@
-"""Connector paths that need a GPU (docs/connection.md): gloo staging of CUDA tensors, NCCL's one-GPU refusal.
+"""Connector paths that need a GPU (docs/connection.md): gloo staging of CUDA tensors, NCCL's one-GPU refusal,
+NCCL between two GPUs.
 
-Marked ``gpu``; skipped where CUDA is absent (CI). Both ranks share cuda:0, as when both roles run on
-one GPU: gloo must work there, NCCL must refuse with the fix.
+Marked ``gpu``; skipped where CUDA is absent (CI). In the first two both ranks share cuda:0, as when both
+roles run on one GPU: gloo must work there, NCCL must refuse with the fix. The last needs two GPUs: the
+NCCL communicators built from the unique id exchanged as raw bytes (docs/connection.md#store-values).
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 from tests.connectors._harness import expect_ok, free_port
+from tests.connectors._nccl_scenarios import exchange_on_two_gpus
 from tests.connectors._scenarios import exchange, nccl_on_one_gpu
 
 pytestmark = [
@@ -34,3 +37,12 @@ def test_nccl_refuses_two_ranks_on_one_gpu_naming_the_fix(pool):
     for message in messages:
         assert message.startswith("P2pNcclAFDConnector needs a distinct GPU per rank; use P2pGlooAFDConnector to "
                                   "run both roles on one GPU (AFD ranks ")
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs: NCCL refuses two ranks on one")
+def test_nccl_exchanges_exact_values_between_two_gpus(pool):
+    port = free_port()
+
+    _, attention = expect_ok(pool.run(exchange_on_two_gpus, [("ffn", port), ("attention", port)], timeout_s=180.0))
+
+    assert attention["exact"] == [True, True, True]

@@ -50,6 +50,24 @@ def test_each_name_builds_its_transport_without_communicating():
         TRANSPORTS["P2pNcclAFDConnector"](torch.device("cpu"))
 
 
+def test_vllm_builds_a_communicator_from_unique_id_bytes_without_a_process_group():
+    """The NCCL transport's seam (connect._pynccl_communicator): no StatelessProcessGroup, whose constructor
+    unpickles the unique id from the store; the id's size is the transport's check."""
+    import ctypes
+    import inspect
+
+    from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
+    from vllm.distributed.device_communicators.pynccl_wrapper import NCCLLibrary, ncclUniqueId
+
+    from vllm_afd.wire.transports.nccl import NCCL_UNIQUE_ID_BYTES
+
+    parameters = list(inspect.signature(PyNcclCommunicator.from_unique_id_bytes).parameters)
+
+    assert parameters[:4] == ["unique_id_bytes", "rank", "world_size", "device"]
+    assert ctypes.sizeof(ncclUniqueId) == len(bytes(ncclUniqueId().internal)) == NCCL_UNIQUE_ID_BYTES
+    assert "ncclGetUniqueId" in vars(NCCLLibrary)
+
+
 # ---- placement: vLLM's DP rank and TP rank ----------------------------------------------------------
 
 

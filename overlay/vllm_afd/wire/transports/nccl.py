@@ -15,26 +15,39 @@ GPU UUIDs are compared through the store first and the refusal names the fix. ``
 ``close()`` destroy the communicators (``ncclCommAbort`` on a daemon thread inside vLLM); after that
 vLLM's ``send``/``recv`` silently do nothing, which is why the protocol checks for failure before
 every transport call.
+
+Nothing read from the store is unpickled (docs/connection.md#store-values): group rank 0 of each
+channel mints the NCCL unique id (``new_unique_id``) and writes its 128 raw bytes under the channel's
+prefix; the others check the length before building their communicator from those bytes
+(``exchange_unique_id``), so the communicator factory takes the id itself. vLLM's own path, a
+``PyNcclCommunicator`` on a ``StatelessProcessGroup``, would ``pickle.loads`` the id from the store;
+``connect.py`` uses ``PyNcclCommunicator.from_unique_id_bytes`` (vLLM 0.30 and 0.32) instead.
 """
 
 from __future__ import annotations
 
 import datetime
 import socket
+import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from vllm_afd.wire.errors import AFDPeerLostError, AFDProtocolError
 from vllm_afd.wire.placement import CONTROL, Placement
 from vllm_afd.wire.transport import SendHandle, Transport
 from vllm_afd.wire.transports.gloo import GlooTransport
 
-__all__ = ["DUPLICATE_GPU_MESSAGE", "MakeCommunicator", "NcclSend", "NcclTransport"]
+__all__ = ["DUPLICATE_GPU_MESSAGE", "MakeCommunicator", "NCCL_UNIQUE_ID_BYTES", "NcclSend", "NcclTransport",
+           "exchange_unique_id"]
 
-# (store with the channel's prefix, group rank, group size, device) -> a communicator with
+# (the channel's NCCL unique id, group rank, group size, device) -> a communicator with
 # ``send(tensor, dst)``, ``recv(tensor, src)``, ``destroy()`` and a ``disabled`` flag.
-MakeCommunicator = Callable[[Any, int, int, torch.device], Any]
+MakeCommunicator = Callable[[bytes, int, int, torch.device], Any]
+NCCL_UNIQUE_ID_BYTES = 128  # sizeof(ncclUniqueId): NCCL_UNIQUE_ID_BYTES of nccl.h
+UNIQUE_ID_KEY = "nccl_unique_id"  # under the channel's prefix
+MAX_IDENTITY_BYTES = 1024  # a "hostname/GPU-UUID" published for the duplicate-GPU check
 
 DUPLICATE_GPU_MESSAGE = (
     "P2pNcclAFDConnector needs a distinct GPU per rank; use P2pGlooAFDConnector to run both roles on one GPU"
@@ -52,6 +65,44 @@ def find_shared_gpu(identities: dict[int, str], own: int) -> int | None:
     return next((rank for rank, ident in sorted(identities.items()) if rank != own and ident == identities[own]), None)
 
 
+def exchange_unique_id(store: Any, rank: int, new_unique_id: Callable[[], bytes], timeout_s: float,
+                       channel: str) -> bytes:
+    """The NCCL unique id of one channel's communicator, as raw bytes through ``store`` (the channel's prefix).
+
+    Group rank 0 mints it and sets it only if the key is still unset (a value already there was written by
+    another client: ``AFDProtocolError``); the others wait for it until ``timeout_s`` (``AFDPeerLostError``
+    naming the channel) and refuse a value that is not exactly NCCL_UNIQUE_ID_BYTES bytes.
+    """
+    if rank == 0:
+        unique_id = bytes(new_unique_id())
+        assert len(unique_id) == NCCL_UNIQUE_ID_BYTES, f"ncclGetUniqueId gave {len(unique_id)} bytes"
+        stored = store.compare_set(UNIQUE_ID_KEY, b"", unique_id)
+        if stored != unique_id:
+            raise AFDProtocolError(
+                f"P2pNcclAFDConnector: the NCCL unique id key of the AFD {channel} channel was set before this rank "
+                "(group rank 0) minted it; another client wrote the rendezvous store. Keep the store port private "
+                "to the deployment (docs/connection.md#store-values)"
+            )
+        return unique_id
+    try:
+        store.wait([UNIQUE_ID_KEY], datetime.timedelta(seconds=max(timeout_s, 0.01)))
+    except RuntimeError as exc:  # torch's store timeout (DistStoreError) or a broken connection
+        raise AFDPeerLostError(
+            f"P2pNcclAFDConnector: group rank 0 of the AFD {channel} channel did not publish the channel's NCCL "
+            f"unique id within {timeout_s:g} s ({exc}); expected every rank of the channel to open it. Check the "
+            "other role's log"
+        ) from exc
+    unique_id = store.get(UNIQUE_ID_KEY)
+    if not isinstance(unique_id, bytes) or len(unique_id) != NCCL_UNIQUE_ID_BYTES:
+        size = len(unique_id) if isinstance(unique_id, bytes) else type(unique_id).__name__
+        raise AFDProtocolError(
+            f"P2pNcclAFDConnector: the NCCL unique id of the AFD {channel} channel in the store has {size} bytes; "
+            f"expected the {NCCL_UNIQUE_ID_BYTES} raw bytes of an ncclUniqueId. Run the same vllm_afd version on "
+            "every rank and keep the store port private (docs/connection.md#store-values)"
+        )
+    return unique_id
+
+
 class NcclSend:
     """A send on a comm stream; ``wait()`` orders the caller's current stream after it (no host wait)."""
 
@@ -65,7 +116,8 @@ class NcclSend:
 class NcclTransport(Transport):
     """Three NCCL communicators on ``device``; every call runs on the current CUDA stream."""
 
-    def __init__(self, device: torch.device, make_communicator: MakeCommunicator) -> None:
+    def __init__(self, device: torch.device, make_communicator: MakeCommunicator,
+                 new_unique_id: Callable[[], bytes]) -> None:
         if device.type != "cuda":
             raise ValueError(
                 f"P2pNcclAFDConnector: device {device} is not a CUDA device; NCCL moves GPU memory. Use "
@@ -73,11 +125,13 @@ class NcclTransport(Transport):
             )
         self.device = device
         self._make_communicator = make_communicator
+        self._new_unique_id = new_unique_id
         self._control = GlooTransport(torch.device("cpu"), channels=(CONTROL,))
         self._comms: dict[str, Any] = {}
         self._comm_streams: dict[str, Any] = {}  # channel -> the stream its isends run on
 
     def open(self, store: Any, placement: Placement, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
         self._check_distinct_gpus(store, placement, timeout_s)  # before any NCCL call
 
         from torch.distributed import PrefixStore
@@ -85,8 +139,10 @@ class NcclTransport(Transport):
         for name, prefix, rank, size in placement.channels():
             if name == CONTROL:
                 continue
+            unique_id = exchange_unique_id(PrefixStore(prefix, store), rank, self._new_unique_id,
+                                           deadline - time.monotonic(), name)
             try:
-                comm = self._make_communicator(PrefixStore(prefix, store), rank, size, self.device)
+                comm = self._make_communicator(unique_id, rank, size, self.device)
             except RuntimeError as exc:
                 if "Duplicate GPU" in str(exc) or "invalid usage" in str(exc):
                     raise RuntimeError(f"{DUPLICATE_GPU_MESSAGE} (NCCL: {exc})") from exc
@@ -106,7 +162,7 @@ class NcclTransport(Transport):
         store.set(f"afd/gpu/{placement.afd_rank}", gpu_identity(self.device))
         keys = {rank: f"afd/gpu/{rank}" for rank in sorted(members)}
         store.wait(list(keys.values()), datetime.timedelta(seconds=timeout_s))
-        identities = {rank: store.get(key).decode() for rank, key in keys.items()}
+        identities = {rank: _identity(store.get(key), key) for rank, key in keys.items()}
         other = find_shared_gpu(identities, placement.afd_rank)
         if other is not None:
             raise RuntimeError(
@@ -167,3 +223,18 @@ class NcclTransport(Transport):
                 f"P2P hidden states must be on GPU {self.device} for P2pNcclAFDConnector (got a tensor on "
                 f"{tensor.device}); move it to the rank's device, or use P2pGlooAFDConnector on CPU"
             )
+
+
+def _identity(raw: Any, key: str) -> str:
+    """A member's ``hostname/GPU-UUID`` as read from the store: UTF-8 text of bounded length."""
+    if isinstance(raw, bytes) and len(raw) <= MAX_IDENTITY_BYTES:
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise _bad_identity(raw, key) from exc
+    raise _bad_identity(raw, key)
+
+
+def _bad_identity(raw: Any, key: str) -> AFDProtocolError:
+    return AFDProtocolError(f"P2pNcclAFDConnector: store record {key} is {raw!r:.80}; expected hostname/GPU-UUID as "
+                            f"UTF-8 text of at most {MAX_IDENTITY_BYTES} bytes. Keep the store port private")
