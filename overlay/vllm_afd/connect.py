@@ -24,10 +24,11 @@ from vllm_afd.wire.attention_end import AttentionConnector
 from vllm_afd.wire.ends import make_connector
 from vllm_afd.wire.ffn_end import FFNConnector
 from vllm_afd.wire.handshake import Fingerprint
-from vllm_afd.wire.placement import Placement, Role
+from vllm_afd.role import Role
+from vllm_afd.wire.placement import Placement
 from vllm_afd.wire.spec import ConnectorSpec
 from vllm_afd.wire.transport import Transport
-from vllm_afd.wire.watchdog import terminate_process
+from vllm_afd.wire.failure import terminate_process
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -47,7 +48,18 @@ def _gloo(device: torch.device, spec: ConnectorSpec | None = None) -> Transport:
 def _nccl(device: torch.device, spec: ConnectorSpec | None = None) -> Transport:
     from vllm_afd.wire.transports.nccl import NcclTransport
 
-    return NcclTransport(device, _pynccl_communicator)
+    def new_unique_id() -> bytes:
+        """A fresh ``ncclUniqueId``'s raw bytes (group rank 0 of each channel mints one)."""
+        from vllm.distributed.device_communicators.pynccl_wrapper import NCCLLibrary
+
+        try:
+            library = NCCLLibrary()
+        except OSError as exc:
+            raise RuntimeError(f"P2pNcclAFDConnector: the NCCL library cannot be loaded ({exc}); expected a working "
+                               "NCCL. Set VLLM_NCCL_SO_PATH, or use P2pGlooAFDConnector") from exc
+        return bytes(library.ncclGetUniqueId().internal)
+
+    return NcclTransport(device, _pynccl_communicator, new_unique_id)
 
 
 def _ipc(device: torch.device, spec: ConnectorSpec | None = None) -> Transport:
@@ -66,12 +78,16 @@ def timeline_clock(afd_config: AFDConfig, device_type: str) -> str | None:
     return "device" if afd_config.timeline_dir else None
 
 
-def _pynccl_communicator(store: Any, rank: int, size: int, device: torch.device) -> Any:
-    """vLLM's ``PyNcclCommunicator`` over a stateless group on ``store`` (never torch's default group)."""
-    from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
-    from vllm.distributed.utils import StatelessProcessGroup
+def _pynccl_communicator(unique_id: bytes, rank: int, size: int, device: torch.device) -> Any:
+    """vLLM's ``PyNcclCommunicator`` from the channel's NCCL unique id (never torch's default group).
 
-    return PyNcclCommunicator(StatelessProcessGroup(rank=rank, world_size=size, store=store), device=device)
+    NOTE: not on a ``StatelessProcessGroup``: its constructor ``pickle.loads`` the id from the store, which
+    any store client can write. The transport exchanges the raw bytes and checks them
+    (``wire/transports/nccl.py:exchange_unique_id``).
+    """
+    from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
+
+    return PyNcclCommunicator.from_unique_id_bytes(unique_id, rank, size, device)
 
 
 # Connector name -> transport factory: (the device the rank's tensors live on, the ConnectorSpec or None).
