@@ -221,11 +221,13 @@ def frozen_ffn_mid_stream(afd: AFDDeployment, *, step_timeout_s: float, peer_tim
     NOTE: pairing again after the thaw is not asserted: it is not reliable yet (failures.md, same section)."""
     base_url, model = afd.attention.base_url, afd.model
     results: list = [None] * 2
-    streams = [threading.Thread(target=stream_until_error, args=(base_url, str(model), results, i), daemon=True)
+    chunks = [0] * 2
+    streams = [threading.Thread(target=stream_until_error, args=(base_url, str(model), results, chunks, i),
+                                daemon=True)
                for i in range(2)]
     for thread in streams:
         thread.start()
-    time.sleep(1.0)  # decoding now
+    assert wait_for(lambda: min(chunks) > 0, timeout_s=60.0), (results, chunks)  # decoding now
     offset = len(afd.attention.log_path.read_text())
     frozen_at = time.monotonic()
     os.killpg(afd.ffn.process.pid, signal.SIGSTOP)
