@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import ast
 import sys
-from pathlib import Path
+from ast_gate import run_gate  # ci/ast_gate.py, beside this script
 
 PICKLING_MODULES = ("pickle", "_pickle", "cPickle", "cloudpickle", "dill", "marshal", "shelve")
 UNPICKLING_NAMES = ("StatelessProcessGroup", "broadcast_obj", "recv_obj", "all_gather_obj", "broadcast_object_list",
@@ -72,39 +72,9 @@ def check_tree(tree: ast.AST) -> list[tuple[int, str]]:
     return sorted(set(found))
 
 
-def check_file(path: Path) -> tuple[list[str], list[str]]:
-    """(findings, suppressed) as printable lines."""
-    source = path.read_text(encoding="utf-8")
-    lines = source.splitlines()
-    findings, suppressed = [], []
-    for lineno, what in check_tree(ast.parse(source, str(path))):
-        entry = f"{path}:{lineno}: {what}"
-        (suppressed if NOQA in (lines[lineno - 1] if lineno <= len(lines) else "") else findings).append(entry)
-    return findings, suppressed
-
-
 def main(argv: list[str]) -> int:
-    if not argv:
-        print(__doc__.strip().splitlines()[5], file=sys.stderr)
-        return 2
-    findings: list[str] = []
-    suppressed: list[str] = []
-    num_files = 0
-    for root in map(Path, argv):
-        if not root.exists():
-            print(f"check_no_unpickling: {root} does not exist", file=sys.stderr)
-            return 2
-        for path in sorted(root.rglob("*.py")) if root.is_dir() else [root]:
-            num_files += 1
-            found, allowed = check_file(path)
-            findings += found
-            suppressed += allowed
-    for entry in suppressed:
-        print(f"suppressed: {entry}")
-    for entry in findings:
-        print(entry)
-    print(f"check_no_unpickling: {num_files} files, {len(findings)} unpickling uses, {len(suppressed)} suppressed")
-    return 1 if findings else 0
+    return run_gate("check_no_unpickling", argv, check_tree, NOQA, usage=__doc__.strip().splitlines()[5],
+                    noun="unpickling uses")
 
 
 if __name__ == "__main__":
