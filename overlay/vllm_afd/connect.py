@@ -21,6 +21,7 @@ import torch
 from vllm_afd.config import AFDConfig
 from vllm_afd.outage import outage_notice_writer
 from vllm_afd.wire.attention_end import AttentionConnector
+from vllm_afd.wire.auth import load_secret
 from vllm_afd.wire.ends import make_connector
 from vllm_afd.wire.ffn_end import FFNConnector
 from vllm_afd.wire.handshake import Fingerprint
@@ -177,8 +178,10 @@ def build_connector(
 ) -> AttentionConnector | FFNConnector:
     """The configured end for this rank's role (wire/ends.py), constructed without communication.
 
-    ``terminate``: what an unobserved failure ends in (a healing attention re-forms instead).
+    ``terminate``: what an unobserved failure ends in (a healing attention re-forms instead). The shared
+    secret (``VLLM_AFD_SECRET`` or ``secret_file``, wire/auth.py) is read here, before anything is taken.
     """
+    secret = load_secret(afd_config.secret_file)
     fingerprint = build_fingerprint(vllm_config, afd_config, placement)
     gate_on_attention = afd_config.compute_gate_on_attention
     spec = ConnectorSpec(
@@ -208,7 +211,8 @@ def build_connector(
     if placement.role is Role.ATTENTION:
         notice = outage_notice_writer(afd_config.reform_timeout_s if reform else None)
     return make_connector(spec, placement, factory(device, spec), fingerprint, terminate=terminate,
-                          new_transport=(lambda: factory(device, spec)) if reform else None, on_failure=notice)
+                          new_transport=(lambda: factory(device, spec)) if reform else None, on_failure=notice,
+                          secret=secret)
 
 
 def attention_heals(vllm_config: VllmConfig, afd_config: AFDConfig) -> bool:

@@ -157,7 +157,7 @@ def test_defaults_match_the_spec_table():
         role="attention", connector="P2pNcclAFDConnector", host="127.0.0.1", port=1239, num_attention_ranks=1,
         num_ffn_ranks=1, compute_gate_on_attention=False, num_stages=1, min_tokens_per_stage=4,
         connector_extra_config={}, rendezvous_timeout_s=300.0,
-        step_timeout_s=120.0, peer_timeout_s=5.0, reform_timeout_s=600.0, timeline_dir="",
+        step_timeout_s=120.0, peer_timeout_s=5.0, reform_timeout_s=600.0, timeline_dir="", secret_file="",
     )
 
 
@@ -346,6 +346,7 @@ def afd_mappings(draw):
         "peer_timeout_s": draw(_seconds),
         "reform_timeout_s": draw(st.just(0.0) | _seconds),
         "timeline_dir": draw(st.sampled_from(["", "/tmp/afd-timeline", "rel/dir"])),
+        "secret_file": "",  # a path must name a readable file: tests/overlay/test_config_secret_file.py
     }
 
 

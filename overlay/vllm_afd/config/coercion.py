@@ -127,4 +127,5 @@ COERCERS: dict[str, Callable[[str, Any], Any]] = {
     "peer_timeout_s": _coerce_seconds,
     "reform_timeout_s": _coerce_seconds,
     "timeline_dir": _coerce_str,
+    "secret_file": _coerce_str,
 }

@@ -54,6 +54,9 @@ class AFDConfig:
     reform_timeout_s: float = 600.0
     # Directory each rank appends its per-step timeline to (docs/timeline.md); "" = no timeline files.
     timeline_dir: str = ""
+    # File holding the shared secret both roles prove at pairing (docs/security.md); "" = VLLM_AFD_SECRET, or
+    # none. Only the path is configuration: the secret is read by the connector, never logged or hashed.
+    secret_file: str = ""
 
     def __post_init__(self) -> None:
         # Direct construction obeys the same coercion and rules as parsing (idempotent for parsed input).

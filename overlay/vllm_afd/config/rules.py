@@ -1,4 +1,4 @@
-"""Validation steps 5-12 (docs/config.md#validation-order): the rules on coerced values, first failure wins."""
+"""Validation steps 5-13 (docs/config.md#validation-order): the rules on coerced values, first failure wins."""
 
 from __future__ import annotations
 
@@ -8,10 +8,11 @@ from typing import Any
 
 from vllm_afd.config.coercion import FrozenMapping
 from vllm_afd.config.constants import CAM_CONNECTORS, CONNECTOR_HINT, CONNECTORS, NUM_STAGES, ROLES
+from vllm_afd.wire.auth import check_secret_file
 
 
 def check_values(values: Mapping[str, Any], *, async_dp: bool, expected_role: str | None) -> None:
-    """Validation steps 5-12 (docs/config.md#validation-order) on coerced values, stopping at the
+    """Validation steps 5-13 (docs/config.md#validation-order) on coerced values, stopping at the
     first failure."""
     role = values["role"]
     if role not in ROLES:
@@ -72,6 +73,8 @@ def check_values(values: Mapping[str, Any], *, async_dp: bool, expected_role: st
             "peer to return after a loss, or 0 to end instead"
         )
     check_p2p_extra_config(connector, values["connector_extra_config"])
+    if values["secret_file"]:
+        check_secret_file(values["secret_file"])  # step 13: readable, regular, non-empty; its content is never shown
 
 
 def _check_num_stages(num_stages: int) -> None:

@@ -21,7 +21,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from vllm_afd.wire.errors import AFDPeerLostError
+from vllm_afd.wire.auth import Secret, warn_unauthenticated_once
+from vllm_afd.wire.errors import AFDAuthenticationError, AFDPeerLostError
 from vllm_afd.wire.handshake import Fingerprint
 from vllm_afd.wire.messages import ControlPayload
 from vllm_afd.wire.placement import Placement
@@ -61,6 +62,7 @@ class AFDConnector:
         terminate: Callable[[BaseException], None] | None = terminate_process,
         new_transport: Callable[[], Transport] | None = None,
         on_failure: Callable[[BaseException], None] | None = None,
+        secret: Secret | None = None,
     ) -> None:
         self.spec = spec
         self.placement = placement
@@ -71,6 +73,8 @@ class AFDConnector:
         self._new_transport = new_transport
         # Told each first failure at once, on the failing thread (connect.py: the attention's outage notice).
         self._on_failure = on_failure
+        # The shared secret every pairing proves (wire/auth.py); None: unauthenticated, as before.
+        self._secret = secret
         self._latch = FailureLatch(transport.abort, terminate, on_failure=on_failure)
         self._lock = threading.Lock()
         self._initialized = self._initializing = self._closed = False
@@ -131,6 +135,8 @@ class AFDConnector:
                            rebind_s=self._rebind_s),
             cancelled=lambda: self._closed,
         )
+        if self._secret is None:
+            warn_unauthenticated_once(f"{s.host}:{s.port}")
         try:
             while True:
                 self._store = rendezvous.connect()
@@ -138,12 +144,19 @@ class AFDConnector:
                 # new TCPStore connection can stall for seconds, and a stall here delays every rank alike
                 # instead of making this rank look silent to peers that already heartbeat.
                 watchdog_store = rendezvous.connect_client()
-                if rendezvous.claim():
+                if not rendezvous.claim():
+                    # Our claim was held by a dead process whose FFN rank 0 has now restarted the store.
+                    self._store = watchdog_store = None
+                    continue
+                self._announce(self._store)
+                try:
+                    self.fingerprints = rendezvous.exchange_fingerprints(self.fingerprint, self._secret)
                     break
-                # Our claim was held by a dead process whose FFN rank 0 has now restarted the store.
-                self._store = watchdog_store = None
-            self._announce(self._store)
-            self.fingerprints = rendezvous.exchange_fingerprints(self.fingerprint)
+                except AFDAuthenticationError as exc:
+                    # NOTE: refused, not fatal: a stray or misconfigured rank cannot end this rank's wait; the
+                    # deadline does. Our references go first, so FFN rank 0's store closes when refuse() drops it.
+                    self._store = watchdog_store = None
+                    rendezvous.refuse(exc)
             watchdog = Watchdog(
                 watchdog_store, WatchdogSpec(p, s.peer_timeout_s, s.step_timeout_s, f"{s.host}:{s.port}"),
                 self._latch,
@@ -166,6 +179,7 @@ class AFDConnector:
             self.rendezvous_s = time.monotonic() - started
         except BaseException:
             self._latch.close()  # the caller gets this exception: no termination fallback
+            rendezvous.leave()
             # NOTE: the exception's traceback keeps this frame's rendezvous alive; without its store
             # reference FFN rank 0's store closes now, so a re-formation can listen on the port again.
             rendezvous.store = None

@@ -28,5 +28,5 @@ ENDS: dict[Role, type[AttentionConnector] | type[FFNConnector]] = {
 def make_connector(spec: ConnectorSpec, placement: Placement, transport: Transport, fingerprint: Fingerprint,
                    **kwargs: Any) -> AttentionConnector | FFNConnector:
     """The end for ``placement.role`` over ``transport``; ``kwargs`` go to ``AFDConnector.__init__``
-    (``terminate``, ``new_transport``, ``on_failure``)."""
+    (``terminate``, ``new_transport``, ``on_failure``, ``secret``)."""
     return ENDS[placement.role](spec, placement, transport, fingerprint, **kwargs)

@@ -13,6 +13,7 @@ until the deadline; a timeout that is itself an ``OSError`` could be swallowed b
 from __future__ import annotations
 
 __all__ = [
+    "AFDAuthenticationError",
     "AFDConfigMismatchError",
     "AFDError",
     "AFDLayoutError",
@@ -30,6 +31,11 @@ class AFDError(Exception):
 class AFDProtocolError(AFDError, RuntimeError):
     """A peer sent bytes or a message sequence this rank cannot interpret
     (docs/protocol.md#control-payload)."""
+
+
+class AFDAuthenticationError(AFDProtocolError):
+    """A rank did not prove it holds the shared secret, or the roles disagree on whether one is used
+    (docs/security.md); refused like a mismatch, so the waiting role keeps waiting."""
 
 
 class AFDRendezvousTimeout(AFDError, RuntimeError):  # noqa: N818 - a public name, in logs and docs

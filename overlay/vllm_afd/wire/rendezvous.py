@@ -2,10 +2,11 @@
 
 Steps, all bounded by one deadline (``rendezvous_timeout_s``): FFN rank 0 listens, the others connect
 with retry; every rank claims its ``(role, role_rank)`` atomically; every rank publishes its
-fingerprint, waits for all others and compares (``AFDConnector.init`` in wire/connector.py runs the steps,
-between them opening the watchdog's own connection). Groups built later are key prefixes of this store
-(no derived ports), so FFN ranks may span hosts. torch.distributed is imported lazily, at the first
-store operation.
+fingerprint with its pairing proof (wire/auth.py), waits for all others, checks the proofs and compares
+(``AFDConnector.init`` in wire/connector.py runs the steps, between them opening the watchdog's own
+connection); a pairing refused for its proofs starts over on a fresh store until the deadline. Groups
+built later are key prefixes of this store (no derived ports), so FFN ranks may span hosts.
+torch.distributed is imported lazily, at the first store operation.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from vllm_afd.wire.errors import AFDPeerLostError, AFDRendezvousTimeout
+from vllm_afd.wire.auth import PairingProof, Secret
+from vllm_afd.wire.errors import AFDAuthenticationError, AFDPeerLostError, AFDRendezvousTimeout
 from vllm_afd.wire.handshake import Fingerprint, compare_fingerprints
 from vllm_afd.role import Role
 from vllm_afd.wire.placement import Placement
@@ -42,6 +44,12 @@ CONNECT_ATTEMPT_S = 1.0
 WAIT_LOG_INTERVAL_S = 10.0
 # Poll period while a held claim may turn out stale, and while a re-forming store host rebinds its port.
 STALE_CLAIM_POLL_S = 0.1
+# After a refused pairing: the store host waits this long at most for every rank to have refused too before it
+# drops the store, then this long again before it hosts a new one (no busy loop of refusals).
+REFUSAL_GRACE_S = 2.0
+REFUSAL_BACKOFF_S = 1.0
+# Counter of the ranks that refused this store's pairing (docs/connection.md#store-keys).
+REFUSED_KEY = "afd/refused"
 # The roles in AFD rank order (FFN first), as messages list ranks.
 AFD_ROLE_ORDER = (Role.FFN, Role.ATTENTION)
 
@@ -131,7 +139,12 @@ class Rendezvous:
         self._log_interval_s = log_interval_s
         self.deadline = clock() + spec.timeout_s
         self._next_log = self.deadline - spec.timeout_s + log_interval_s
+        self._next_refusal_log = self._next_log - log_interval_s
+        self._rebind_s = spec.rebind_s
         self.store: Any = None
+        # The last pairing refused for its proofs (AFDAuthenticationError); timeout messages name it.
+        self.refused: AFDAuthenticationError | None = None
+        self._claimed = False  # this rank holds its claim in ``store`` (leave() withdraws it)
 
     def remaining_s(self) -> float:
         return max(0.0, self.deadline - self._clock())
@@ -164,6 +177,7 @@ class Rendezvous:
         from torch.distributed import DistNetworkError
 
         count = self._store_call(lambda: self.store.add(self._own_key("claim"), 1))
+        self._claimed = count == 1
         if count == 1:
             return True
         give_up = self._clock() + min(self.spec.stale_claim_s, self.remaining_s())
@@ -180,17 +194,78 @@ class Rendezvous:
             self._sleep(STALE_CLAIM_POLL_S)
         raise self._duplicate_error()
 
-    def exchange_fingerprints(self, fingerprint: Fingerprint) -> dict[tuple[Role, int], Fingerprint]:
-        """Publish ours, wait for all F + A, compare (raises AFDConfigMismatchError / AFDLayoutError)."""
+    def exchange_fingerprints(self, fingerprint: Fingerprint,
+                              secret: Secret | None = None) -> dict[tuple[Role, int], Fingerprint]:
+        """Nonces, then our fingerprint and its proof; wait for all F + A, check every proof (wire/auth.py),
+        only then parse and compare (raises AFDAuthenticationError, AFDConfigMismatchError, AFDLayoutError)."""
         spec = self.spec
-        self._store_call(lambda: self.store.set(self._own_key("fingerprint"), fingerprint.to_json()))
         ranks = spec.all_ranks()
+        proof = PairingProof(secret, (spec.role, spec.role_rank), ranks, lambda kind, rank: rank_key(kind, *rank))
+        self._store_call(lambda: self.store.set(self._own_key("nonce"), proof.nonce))
+        nonce_keys = [rank_key("nonce", role, rank) for role, rank in ranks]
+        self.wait_for_keys(nonce_keys, "waiting for the other ranks' nonces", log_stage="handshake")
+        published = fingerprint.to_json().encode()
+        mac = proof.prove(self._store_call(lambda: self.store.multi_get(nonce_keys)), published)
+        self._store_call(lambda: self.store.set(self._own_key("proof"), mac))
+        self._store_call(lambda: self.store.set(self._own_key("fingerprint"), published))
+        proof_keys = [rank_key("proof", role, rank) for role, rank in ranks]
         keys = [rank_key("fingerprint", role, rank) for role, rank in ranks]
-        self.wait_for_keys(keys, "waiting for the other ranks' fingerprints", log_stage="handshake")
-        values = self._store_call(lambda: self.store.multi_get(keys))
-        fingerprints = {rank: Fingerprint.from_json(value) for rank, value in zip(ranks, values)}
+        self.wait_for_keys(proof_keys + keys, "waiting for the other ranks' fingerprints", log_stage="handshake")
+        values = self._store_call(lambda: self.store.multi_get(proof_keys + keys))
+        proof.verify(values[:len(ranks)], values[len(ranks):])
+        fingerprints = {rank: Fingerprint.from_json(value) for rank, value in zip(ranks, values[len(ranks):])}
         compare_fingerprints(fingerprint, fingerprints.values())
         return fingerprints
+
+    def refuse(self, refusal: AFDAuthenticationError) -> None:
+        """Leave a pairing refused for its proofs so that a new one can start on a fresh store.
+
+        Every rank counts its refusal in the store; the store host waits (``REFUSAL_GRACE_S`` at most) until
+        all have, so no rank loses the store in the middle of its checks, then drops it and, after
+        ``REFUSAL_BACKOFF_S``, hosts a new one (``connect()``); the others wait for the store to go away.
+        The waiting role keeps waiting: only the deadline ends it, naming the refusal.
+        """
+        from torch.distributed import DistNetworkError
+
+        self.refused = refusal
+        if self._clock() >= self._next_refusal_log:
+            self._next_refusal_log = self._clock() + self._log_interval_s
+            logger.error("AFD %s: refused the pairing at %s: %s; still waiting for ranks that authenticate "
+                         "(until rendezvous_timeout_s / reform_timeout_s)", self.spec.label, self.spec.address, refusal)
+        try:
+            self.store.add(REFUSED_KEY, 1)
+            if self.spec.is_store_host:
+                grace = self._clock() + min(REFUSAL_GRACE_S, self.remaining_s())
+                while self.store.add(REFUSED_KEY, 0) < len(self.spec.all_ranks()) and self._clock() < grace:
+                    self._check_cancelled()
+                    self._sleep(POLL_INTERVAL_S)
+            else:
+                while True:  # until FFN rank 0 drops this store: DistNetworkError
+                    self.store.check([REFUSED_KEY])
+                    self._check_cancelled()
+                    if self.remaining_s() <= 0.0:
+                        raise self.timeout_error("waiting for a pairing that authenticates")
+                    self._sleep(STALE_CLAIM_POLL_S)
+        except DistNetworkError:
+            pass  # the store is gone already
+        self.store = None
+        self._claimed = False
+        if self.spec.is_store_host:
+            self._rebind_s = max(self._rebind_s, REFUSAL_BACKOFF_S + STALE_CLAIM_POLL_S)
+            self._sleep(min(REFUSAL_BACKOFF_S, self.remaining_s()))
+
+    def leave(self) -> None:
+        """Withdraw this rank's claim from a store it leaves without pairing (a timeout, a failure), best
+        effort: a rank restarted in its place can claim at once, and the ranks still waiting refuse the
+        mixed pairing and start over, instead of waiting for the departed rank until their deadline."""
+        if self.store is None or not self._claimed or self.spec.is_store_host:
+            return
+        self._claimed = False
+        try:
+            self.store.set_timeout(datetime.timedelta(seconds=1.0))
+            self.store.delete_key(self._own_key("claim"))
+        except RuntimeError:  # DistStoreError, DistNetworkError: the store is gone or stuck: nothing left to withdraw
+            pass
 
     def wait_for_channels(self) -> None:
         """Announce this rank's channels ready, then wait until every rank's are.
@@ -211,6 +286,7 @@ class Rendezvous:
         while True:
             complete = self._store_call(lambda: self.store.check(keys))
             if self._store_call(lambda: self.store.add(self._own_key("claim"), 0)) > 1:
+                self._claimed = False  # NOTE: the key is shared with the other claimant: never withdraw it
                 raise self._duplicate_error()
             if complete:
                 return
@@ -255,8 +331,11 @@ class Rendezvous:
         return AFDRendezvousTimeout(
             f"AFD rendezvous timed out after {spec.timeout_s:g}s at {spec.address} ({spec.identity}); "
             f"joined: {_format_ranks(joined, skip_empty=False)}; missing: {missing_text}. Start the "
-            "other role with the same host/port/topology, or raise rendezvous_timeout_s"
+            f"other role with the same host/port/topology, or raise rendezvous_timeout_s{self._refusal_text()}"
         )
+
+    def _refusal_text(self) -> str:
+        return "" if self.refused is None else f". The last pairing was refused: {self.refused}"
 
     def _unreachable_error(self, detail: str) -> AFDRendezvousTimeout:
         spec = self.spec
@@ -264,7 +343,7 @@ class Rendezvous:
             f"AFD rendezvous timed out after {spec.timeout_s:g}s at {spec.address} ({spec.identity}): "
             f"cannot reach the AFD rendezvous store at {spec.address} (hosted by FFN rank 0) "
             f"({detail}). Start the other role with the same host/port/topology, or raise "
-            "rendezvous_timeout_s"
+            f"rendezvous_timeout_s{self._refusal_text()}"
         )
 
     def _duplicate_error(self) -> ValueError:
@@ -296,7 +375,7 @@ class Rendezvous:
 
         spec = self.spec
         try:
-            listener = self._listen(self._clock() + min(spec.rebind_s, self.remaining_s()))
+            listener = self._listen(self._clock() + min(self._rebind_s, self.remaining_s()))
         except OSError as exc:
             raise RuntimeError(
                 f"AFD FFN rank 0 cannot listen on {spec.address}: {exc}; 'port' must be free and 'host' "
