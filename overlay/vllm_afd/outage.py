@@ -14,6 +14,10 @@ A healing attention (attention/healing.py) says so in its notice (it pairs again
 FFN returns), removes the notice once paired again, and replaces it with the restart notice when it
 gives up; the engine core's fault responder (plugin.py) reads the notice to tell an AFD failure,
 which heals, from any other fault, which it leaves to vLLM.
+
+A client reads the failure's kind only (``client_cause``): the connector's messages name hosts, ports,
+ranks and raw transport errors, which belong in the server log (the failure latch logs each failure whole,
+``AFD connector failed: …``), not in an answer to whoever sends a request (docs/security.md).
 """
 
 from __future__ import annotations
@@ -21,26 +25,48 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 
+from vllm_afd.wire.errors import (AFDAuthenticationError, AFDConfigMismatchError, AFDLayoutError, AFDPeerLostError,
+                                  AFDProtocolError, AFDRendezvousTimeout, AFDStepTimeoutError)
+
 __all__ = [
-    "OUTAGE_FILE", "clear_outage", "healing_message", "outage_message", "outage_notice_writer", "read_outage",
-    "record_outage",
+    "OUTAGE_FILE", "clear_outage", "client_cause", "healing_message", "outage_message", "outage_notice_writer",
+    "read_outage", "record_outage",
 ]
 
 OUTAGE_FILE = "afd-attention-outage.txt"
 
 
+# Failure class -> the phrase a client reads; the first match wins (subclasses first).
+_CAUSES: tuple[tuple[type[BaseException], str], ...] = (
+    (AFDPeerLostError, "AFD peer lost"),
+    (AFDStepTimeoutError, "AFD step timed out"),
+    (AFDRendezvousTimeout, "AFD rendezvous timed out"),
+    (AFDAuthenticationError, "AFD authentication failed"),
+    (AFDProtocolError, "AFD protocol error"),
+    (AFDConfigMismatchError, "AFD configuration mismatch"),
+    (AFDLayoutError, "AFD layout mismatch"),
+)
+
+
+def client_cause(failure: BaseException) -> str:
+    """What a client may read of ``failure``: a fixed phrase for its kind and its class, never its text
+    (addresses, ranks, raw transport errors stay in the server log)."""
+    phrase = next((text for kind, text in _CAUSES if isinstance(failure, kind)), "AFD failure")
+    return f"{phrase}: {type(failure).__name__}; the details are in the server log"
+
+
 def outage_message(failure: BaseException) -> str:
     """What a client of a down attention server reads: the cause and what happens next."""
-    return (f"AFD attention server unavailable: its engine stopped after an AFD failure ({failure}). "
+    return (f"AFD attention server unavailable: its engine stopped after an AFD failure ({client_cause(failure)}). "
             "Restart this attention server: the FFN waits for it (reform_timeout_s) and pairs with the "
             "new one; send requests elsewhere meanwhile")
 
 
 def healing_message(failure: BaseException, reform_timeout_s: float) -> str:
     """What a client of a healing attention server reads while it waits for its FFN."""
-    return (f"AFD attention server unavailable: its FFN peer was lost ({failure}); re-forming: this server "
-            f"serves again once the FFN is back and paired (waiting up to reform_timeout_s={reform_timeout_s:g} s). "
-            "Retry shortly or send requests elsewhere meanwhile")
+    return (f"AFD attention server unavailable: its FFN peer was lost ({client_cause(failure)}); re-forming: this "
+            "server serves again once the FFN is back and paired (waiting up to "
+            f"reform_timeout_s={reform_timeout_s:g} s). Retry shortly or send requests elsewhere meanwhile")
 
 
 def record_outage(directory: str, message: str, *, replace: bool = False) -> None:

@@ -148,8 +148,8 @@ def test_an_ffn_that_does_not_return_ends_the_retry_with_a_restart_notice(model_
                                 "and AFD settings, then restart this attention server")
         assert attention.terminated == []  # the retry reports it: the engine stops
         assert read_outage(str(notice_dir)).startswith(
-            "AFD attention server unavailable: its engine stopped after an AFD failure (AFD attention rank 0: the FFN "
-            "did not return")
+            "AFD attention server unavailable: its engine stopped after an AFD failure (AFD rendezvous timed out: "
+            "AFDRendezvousTimeout; the details are in the server log)")
     finally:
         attention.connector.close()
 

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from vllm_afd.wire.attention_end import AttentionConnector
+from vllm_afd.wire.auth import Secret
 from vllm_afd.wire.connector import AFDConnector
 from vllm_afd.wire.ends import make_connector as make_end
 from vllm_afd.wire.ffn_end import FFNConnector
@@ -75,16 +76,16 @@ def make_fingerprint(placement: Placement, **overrides: Any) -> Fingerprint:
 
 def make_connector(spec: ConnectorSpec, placement: Placement, *, transport: Transport | None = None,
                    terminate: Callable[[BaseException], None] | None = None, reformable: bool = False,
-                   **fingerprint_overrides: Any) -> AttentionConnector | FFNConnector:
+                   secret: Secret | None = None, **fingerprint_overrides: Any) -> AttentionConnector | FFNConnector:
     """The end for ``placement``'s role (gloo unless told) whose fingerprint agrees with ``spec`` unless overridden;
-    ``reformable``: it can ``reform()`` over a fresh gloo transport."""
+    ``reformable``: it can ``reform()`` over a fresh gloo transport; ``secret``: the pairing's shared secret."""
     facts = dict(dtype=str(spec.dtype).removeprefix("torch."), hidden_size=spec.hidden_size,
                  compute_gate_on_attention=spec.router_logits_width is not None, connector=spec.name,
                  num_stages=spec.num_stages)
     facts.update(fingerprint_overrides)
     fingerprint = make_fingerprint(placement, **facts)
     return make_end(spec, placement, transport or GlooTransport(spec.device), fingerprint, terminate=terminate,
-                    new_transport=(lambda: GlooTransport(spec.device)) if reformable else None)
+                    new_transport=(lambda: GlooTransport(spec.device)) if reformable else None, secret=secret)
 
 
 def new_wire() -> defaultdict[tuple[str, int, int], deque]:

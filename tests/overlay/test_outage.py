@@ -10,8 +10,9 @@ import pytest
 
 from vllm_afd import plugin
 from vllm_afd.metrics import METRICS_DIR_ENV, PROMETHEUS_DIR_ENV
-from vllm_afd.outage import clear_outage, outage_message, outage_notice_writer, read_outage, record_outage
-from vllm_afd.wire.errors import AFDPeerLostError
+from vllm_afd.outage import (clear_outage, healing_message, outage_message, outage_notice_writer, read_outage,
+                             record_outage)
+from vllm_afd.wire.errors import AFDAuthenticationError, AFDPeerLostError, AFDRendezvousTimeout
 from vllm_afd.wire.failure import FailureLatch
 
 pytest.importorskip("vllm")
@@ -27,9 +28,9 @@ def test_the_notice_is_written_once_read_whole_and_cleared(tmp_path):
     clear_outage(str(tmp_path))  # idempotent
 
     assert notice == (
-        "AFD attention server unavailable: its engine stopped after an AFD failure (AFD peer lost: ffn rank 0 "
-        "silent for 5.0s). Restart this attention server: the FFN waits for it (reform_timeout_s) and pairs "
-        "with the new one; send requests elsewhere meanwhile")
+        "AFD attention server unavailable: its engine stopped after an AFD failure (AFD peer lost: AFDPeerLostError; "
+        "the details are in the server log). Restart this attention server: the FFN waits for it (reform_timeout_s) "
+        "and pairs with the new one; send requests elsewhere meanwhile")
     assert sorted(p.name for p in tmp_path.iterdir()) == []
 
 
@@ -70,4 +71,21 @@ def test_the_attention_veto_answers_503_with_the_notice_while_it_exists(tmp_path
     assert serving is None
     assert refused.http_status == HTTPStatus.SERVICE_UNAVAILABLE
     assert refused.message.startswith("AFD attention server unavailable: its engine stopped after an AFD failure "
-                                      "(AFD peer lost: f2a receive from ffn rank 0 failed)")
+                                      "(AFD peer lost: AFDPeerLostError; the details are in the server log)")
+
+
+@pytest.mark.parametrize("failure", [
+    AFDPeerLostError("AFD peer lost: the rendezvous store at 10.0.0.5:6390 (hosted by ffn rank 0) is unreachable "
+                     "from attention rank 0 (Connection reset by peer [10.0.0.7]:41234)"),
+    AFDRendezvousTimeout("AFD rendezvous timed out after 300s at 10.0.0.5:6390 (role=attention, role_rank=0)"),
+    AFDAuthenticationError("AFD attention rank 0: authentication failed: … 10.0.0.5:6390"),
+    RuntimeError("Gloo connectFullMesh failed with ... remote=[10.0.0.5]:6390"),
+])
+def test_a_client_reads_the_kind_of_failure_never_an_address_or_the_connectors_text(failure):
+    messages = [outage_message(failure), healing_message(failure, 600)]
+
+    for message in messages:
+        assert "10.0.0." not in message and "6390" not in message and str(failure) not in message
+        assert f": {type(failure).__name__}; the details are in the server log)" in message
+    assert messages[1].startswith("AFD attention server unavailable: its FFN peer was lost (AFD ")
+    assert "re-forming: this server serves again once the FFN is back and paired" in messages[1]

@@ -138,25 +138,7 @@ class AFDConnector:
         if self._secret is None:
             warn_unauthenticated_once(f"{s.host}:{s.port}")
         try:
-            while True:
-                self._store = rendezvous.connect()
-                # NOTE: the watchdog's own connection is opened before the fingerprints are published: a
-                # new TCPStore connection can stall for seconds, and a stall here delays every rank alike
-                # instead of making this rank look silent to peers that already heartbeat.
-                watchdog_store = rendezvous.connect_client()
-                if not rendezvous.claim():
-                    # Our claim was held by a dead process whose FFN rank 0 has now restarted the store.
-                    self._store = watchdog_store = None
-                    continue
-                self._announce(self._store)
-                try:
-                    self.fingerprints = rendezvous.exchange_fingerprints(self.fingerprint, self._secret)
-                    break
-                except AFDAuthenticationError as exc:
-                    # NOTE: refused, not fatal: a stray or misconfigured rank cannot end this rank's wait; the
-                    # deadline does. Our references go first, so FFN rank 0's store closes when refuse() drops it.
-                    self._store = watchdog_store = None
-                    rendezvous.refuse(exc)
+            watchdog_store = self._pair(rendezvous)
             watchdog = Watchdog(
                 watchdog_store, WatchdogSpec(p, s.peer_timeout_s, s.step_timeout_s, f"{s.host}:{s.port}"),
                 self._latch,
@@ -187,6 +169,33 @@ class AFDConnector:
             raise
         finally:
             self._initializing = False
+
+    def _pair(self, rendezvous: Rendezvous) -> Any:
+        """Connect, claim, prove and compare until a pairing is accepted (or the deadline); returns the
+        watchdog's store connection."""
+        while True:
+            self._store = rendezvous.connect()
+            # NOTE: the watchdog's own connection is opened before the fingerprints are published: a
+            # new TCPStore connection can stall for seconds, and a stall here delays every rank alike
+            # instead of making this rank look silent to peers that already heartbeat.
+            watchdog_store = rendezvous.connect_client()
+            try:
+                if rendezvous.claim():
+                    self._announce(self._store)
+                    self.fingerprints = rendezvous.exchange_fingerprints(self.fingerprint, self._secret)
+                    return watchdog_store
+                # Our claim was held by a dead process whose FFN rank 0 has now restarted the store.
+            except AFDAuthenticationError as exc:
+                # NOTE: refused, not fatal: a stray or misconfigured rank cannot end this rank's wait; the
+                # deadline does. Our references go first, so FFN rank 0's store closes when refuse() drops it.
+                self._store = watchdog_store = None
+                rendezvous.refuse(exc)
+            except AFDPeerLostError:
+                if rendezvous.refused is None:
+                    raise
+                # After a refusal FFN rank 0 starts over on a fresh store, or gave up: connect until the deadline.
+                rendezvous.store = None
+            self._store = watchdog_store = None
 
     @property
     def can_reform(self) -> bool:

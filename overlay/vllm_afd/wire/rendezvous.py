@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from vllm_afd.wire.auth import PairingProof, Secret
+from vllm_afd.wire.auth import AUTH_FIX, PairingProof, Secret
 from vllm_afd.wire.errors import AFDAuthenticationError, AFDPeerLostError, AFDRendezvousTimeout
 from vllm_afd.wire.handshake import Fingerprint, compare_fingerprints
 from vllm_afd.role import Role
@@ -203,14 +203,15 @@ class Rendezvous:
         proof = PairingProof(secret, (spec.role, spec.role_rank), ranks, lambda kind, rank: rank_key(kind, *rank))
         self._store_call(lambda: self.store.set(self._own_key("nonce"), proof.nonce))
         nonce_keys = [rank_key("nonce", role, rank) for role, rank in ranks]
-        self.wait_for_keys(nonce_keys, "waiting for the other ranks' nonces", log_stage="handshake")
+        self.wait_for_keys(nonce_keys, "waiting for the other ranks' nonces", log_stage="handshake", refusals=True)
         published = fingerprint.to_json().encode()
         mac = proof.prove(self._store_call(lambda: self.store.multi_get(nonce_keys)), published)
         self._store_call(lambda: self.store.set(self._own_key("proof"), mac))
         self._store_call(lambda: self.store.set(self._own_key("fingerprint"), published))
         proof_keys = [rank_key("proof", role, rank) for role, rank in ranks]
         keys = [rank_key("fingerprint", role, rank) for role, rank in ranks]
-        self.wait_for_keys(proof_keys + keys, "waiting for the other ranks' fingerprints", log_stage="handshake")
+        self.wait_for_keys(proof_keys + keys, "waiting for the other ranks' fingerprints", log_stage="handshake",
+                           refusals=True)
         values = self._store_call(lambda: self.store.multi_get(proof_keys + keys))
         proof.verify(values[:len(ranks)], values[len(ranks):])
         fingerprints = {rank: Fingerprint.from_json(value) for rank, value in zip(ranks, values[len(ranks):])}
@@ -220,14 +221,16 @@ class Rendezvous:
     def refuse(self, refusal: AFDAuthenticationError) -> None:
         """Leave a pairing refused for its proofs so that a new one can start on a fresh store.
 
-        Every rank counts its refusal in the store; the store host waits (``REFUSAL_GRACE_S`` at most) until
-        all have, so no rank loses the store in the middle of its checks, then drops it and, after
-        ``REFUSAL_BACKOFF_S``, hosts a new one (``connect()``); the others wait for the store to go away.
-        The waiting role keeps waiting: only the deadline ends it, naming the refusal.
+        Every rank counts its refusal in the store (the others' waits see it and refuse too); the store host
+        waits (``REFUSAL_GRACE_S`` at most, past the deadline too) until all have, so no rank loses the store
+        in the middle of its checks, then drops it and, after ``REFUSAL_BACKOFF_S``, hosts a new one
+        (``connect()``); the others wait for the store to go away. The waiting role keeps waiting: only the
+        deadline ends it, naming the refusal.
         """
         from torch.distributed import DistNetworkError
 
-        self.refused = refusal
+        if self.refused is None or not isinstance(refusal, _PeerRefusedError):
+            self.refused = refusal  # NOTE: a rank's own reason, not the relayed one, when it has one
         if self._clock() >= self._next_refusal_log:
             self._next_refusal_log = self._clock() + self._log_interval_s
             logger.error("AFD %s: refused the pairing at %s: %s; still waiting for ranks that authenticate "
@@ -235,10 +238,12 @@ class Rendezvous:
         try:
             self.store.add(REFUSED_KEY, 1)
             if self.spec.is_store_host:
-                grace = self._clock() + min(REFUSAL_GRACE_S, self.remaining_s())
+                grace = self._clock() + REFUSAL_GRACE_S
                 while self.store.add(REFUSED_KEY, 0) < len(self.spec.all_ranks()) and self._clock() < grace:
                     self._check_cancelled()
                     self._sleep(POLL_INTERVAL_S)
+                if self.remaining_s() <= 0.0:
+                    raise self.timeout_error("waiting for a pairing that authenticates")
             else:
                 while True:  # until FFN rank 0 drops this store: DistNetworkError
                     self.store.check([REFUSED_KEY])
@@ -278,10 +283,11 @@ class Rendezvous:
         keys = [rank_key("ready", role, rank) for role, rank in self.spec.all_ranks()]
         self.wait_for_keys(keys, "waiting for the other ranks' channels")
 
-    def wait_for_keys(self, keys: list[str], stage: str, log_stage: str | None = None) -> None:
+    def wait_for_keys(self, keys: list[str], stage: str, log_stage: str | None = None, refusals: bool = False) -> None:
         """Poll until every key exists; our own claim is re-checked so a late duplicate fails us too.
 
-        With ``log_stage``, one line per interval names the ranks that have not claimed yet.
+        With ``log_stage``, one line per interval names the ranks that have not claimed yet; with ``refusals``,
+        another rank's refusal of this pairing (``refuse()``) is ours too: ``_PeerRefusedError``.
         """
         while True:
             complete = self._store_call(lambda: self.store.check(keys))
@@ -289,7 +295,10 @@ class Rendezvous:
                 self._claimed = False  # NOTE: the key is shared with the other claimant: never withdraw it
                 raise self._duplicate_error()
             if complete:
-                return
+                return  # NOTE: before a relayed refusal, so a rank with every value finds its own reason
+            if refusals and self._store_call(lambda: self.store.check([REFUSED_KEY])):
+                raise _PeerRefusedError(f"AFD {self.spec.label}: {AUTH_FIX} (another rank refused this pairing's "
+                                        "proofs; its log names the rank and why)")
             self._check_cancelled()
             if self.remaining_s() <= 0.0:
                 raise self.timeout_error(stage)
@@ -449,6 +458,10 @@ class Rendezvous:
         """
         with socket.create_connection((self.spec.host, self.spec.port), timeout=timeout_s):
             pass
+
+
+class _PeerRefusedError(AFDAuthenticationError):
+    """Another rank refused this pairing (its log says why); this rank leaves it too."""
 
 
 def _format_ranks(ranks: dict[Role, Iterable[int]], *, skip_empty: bool) -> str:
