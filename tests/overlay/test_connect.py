@@ -196,6 +196,26 @@ def test_a_connector_can_re_form_where_its_role_waits_for_a_lost_peer(model_dir,
     assert connector.can_reform is False  # a closed connector never re-forms
 
 
+def test_build_connector_reads_the_secret_from_the_environment_or_the_file_and_refuses_both(model_dir, tmp_path,
+                                                                                            monkeypatch):
+    secret = tmp_path / "afd-secret"
+    secret.write_text("file-secret\n")
+    monkeypatch.setenv("VLLM_AFD_SECRET", "env-secret")
+    from_env = make_vllm_config(model_dir, role="ffn", **GLOO)
+    both = make_vllm_config(model_dir, role="ffn", secret_file=str(secret), **GLOO)
+
+    connector = build_connector(from_env, parse_afd_config(from_env), Placement("ffn", 0, 1, 1), torch.device("cpu"))
+    with pytest.raises(ValueError, match="both VLLM_AFD_SECRET and secret_file .* are set; expected one"):
+        build_connector(both, parse_afd_config(both), Placement("ffn", 0, 1, 1), torch.device("cpu"))
+    monkeypatch.delenv("VLLM_AFD_SECRET")
+    from_file = build_connector(both, parse_afd_config(both), Placement("ffn", 0, 1, 1), torch.device("cpu"))
+
+    assert connector._secret.key == b"env-secret" and from_file._secret.key == b"file-secret"  # noqa: SLF001
+    assert "env-secret" not in repr(connector.spec) and "file-secret" not in repr(from_file._secret)  # noqa: SLF001
+    connector.close()
+    from_file.close()
+
+
 # ---- the parse a role config carries ----------------------------------------------------------------
 
 
