@@ -12,6 +12,7 @@ file); a stamp naming any of them is accepted, with that release's required hook
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import json
@@ -48,6 +49,19 @@ def read_stamp(package_dir: Path) -> dict | None:
     if not path.is_file():
         return None
     return json.loads(path.read_text(encoding="utf-8"))
+
+
+@functools.cache
+def installed_patches() -> frozenset[str]:
+    """The patches (names without `.patch`) the installed vLLM's stamp lists; empty for an unstamped tree.
+
+    The plugin's `check_installed_vllm` guarantees only a release's `required_patches`; a check that
+    needs another patch of the series (validation.py) asks here.
+    """
+    stamp = read_stamp(vllm_package_dir())
+    if stamp is None:
+        return frozenset()
+    return frozenset(patch["name"].removesuffix(".patch") for patch in stamp["patches"])
 
 
 def stamp_problems(stamp: dict, package_dir: Path) -> list[str]:

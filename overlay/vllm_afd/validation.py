@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from vllm_afd.config import AFDConfig
+from vllm_afd.pin import BUILD_HINT, installed_patches
 from vllm_afd.releases import compile_sequence_parallelism
 from vllm_afd.role import Role
 
@@ -33,6 +34,9 @@ GRAPH_MODES = ("eager", "FULL_DECODE_ONLY")
 # Connectors that move GPU memory only; and the one whose host round trips a CUDA graph cannot record.
 CUDA_CONNECTORS = ("P2pNcclAFDConnector", "P2pIpcAFDConnector")
 EAGER_ONLY_CONNECTORS = ("P2pGlooAFDConnector",)
+# Pin fixes of the series that FFN DP and EP on CPU need (docs/hooks.md); checked against the installed stamp.
+CPU_GATHERV_PATCH = "cpu-communicator-add-gatherv"
+CPU_EP_PATCH = "cpu-moe-honour-expert-map"
 
 
 def worker_class_for(platform: str, role: str) -> str:
@@ -145,14 +149,10 @@ def check_features(vllm_config: VllmConfig, afd: AFDConfig, platform: str) -> No
             "--tensor-parallel-size."
         )
 
-    if role == Role.FFN and parallel.data_parallel_size > 1:
-        # NOTE: FFN DP ranks would need FFN-level DPMetadata for vLLM's MoE dispatch
-        # (docs/topology.md#row-counts); not built or tested yet, so refuse instead of hanging.
-        raise ValueError(
-            f"AFD FFN role with data parallelism (--data-parallel-size "
-            f"{parallel.data_parallel_size}) is not supported yet; scale the FFN with "
-            "--tensor-parallel-size instead."
-        )
+    if role == Role.FFN:
+        patches = installed_patches()
+        check_ffn_data_parallel(vllm_config, afd, platform, patches)
+        check_cpu_expert_parallel(vllm_config, platform, patches)
     if parallel.enable_eplb:
         _reject("expert-parallel load balancing (EPLB)", "--enable-eplb")
     if parallel.enable_elastic_ep:
@@ -169,6 +169,76 @@ def check_features(vllm_config: VllmConfig, afd: AFDConfig, platform: str) -> No
         _reject("LoRA", "--enable-lora")
 
     check_cpu_mla(vllm_config, role, platform)
+
+
+def check_ffn_data_parallel(vllm_config: VllmConfig, afd: AFDConfig, platform: str,
+                            patches: frozenset[str]) -> None:
+    """FFN DP > 1 (docs/config.md#ffn-data-parallelism): what runs today; `patches` = the installed vLLM's."""
+    parallel = vllm_config.parallel_config
+    dp = parallel.data_parallel_size
+    if dp == 1:
+        return
+    where = f"AFD FFN with --data-parallel-size {dp}"
+    if parallel.tensor_parallel_size > 1:
+        # NOTE: with EP, DP x TP is vLLM's sequence-parallel MoE (refused); without, the DP x TP flattening of
+        # the experts has not run behind AFD.
+        raise ValueError(
+            f"{where}: FFN TP is {parallel.tensor_parallel_size}; FFN data parallelism runs at FFN TP 1 only "
+            "for now. Pass --tensor-parallel-size 1 and set num_ffn_ranks to the FFN's DP size, or scale the "
+            "FFN with --tensor-parallel-size at --data-parallel-size 1."
+        )
+    if platform != "cpu" and parallel.all2all_backend != "allgather_reducescatter":
+        # NOTE: the CPU communicator uses allgather_reducescatter whatever is asked; the batched backends
+        # (DeepEP, NIXL, Mori, FlashInfer) have their own formats and capacity limits, none of them run here.
+        raise ValueError(
+            f"{where}: all2all backend {parallel.all2all_backend!r}; expected 'allgather_reducescatter', the "
+            "one AFD's FFN data parallelism has run with. Pass --all2all-backend allgather_reducescatter."
+        )
+    if graph_mode(vllm_config) != "eager":
+        raise ValueError(
+            f"{where}: CUDA graphs ({graph_mode(vllm_config)}) are not supported yet; every FFN DP rank would "
+            "capture the MoE collectives of every step shape, which has not run on several GPUs. Pass "
+            "--enforce-eager on both roles."
+        )
+    if afd.reform_timeout_s > 0:
+        # NOTE: the connector's abort cannot reach a rank blocked in vLLM's MoE collective; later, a rank that
+        # lost its peer could finish the step's collectives on zero rows first ("drain"), then re-form.
+        raise ValueError(
+            f"{where}: reform_timeout_s is {afd.reform_timeout_s:g}; FFN data parallelism cannot re-form yet: "
+            "an FFN DP rank that re-forms after losing its attention peers mid-step strands its DP peers inside "
+            "that layer's MoE collective. Set additional_config[\"afd\"][\"reform_timeout_s\"] to 0 on the FFN "
+            "(a lost attention then ends every FFN DP rank, and you restart both roles)."
+        )
+    if platform == "cpu" and CPU_GATHERV_PATCH not in patches:
+        raise RuntimeError(
+            f"{where} on CPU: the installed vLLM lacks the patch {CPU_GATHERV_PATCH} (its CpuCommunicator "
+            "has no all_gatherv / reduce_scatterv, which vLLM's MoE dispatch calls at DP > 1). Install the "
+            f"patched vLLM of this overlay's series. {BUILD_HINT}"
+        )
+
+
+def check_cpu_expert_parallel(vllm_config: VllmConfig, platform: str, patches: frozenset[str]) -> None:
+    """FFN with --enable-expert-parallel on CPU: vLLM's CPU experts must honour the expert map."""
+    parallel = vllm_config.parallel_config
+    if platform != "cpu" or not parallel.enable_expert_parallel:
+        return
+    # NOTE: the plugin's stamp check guarantees only the release's required patches, not the whole series, so the
+    # stamp's patch list is asked. Without the fix every EP rank applies its local experts to global expert ids:
+    # wrong outputs, no error, even at DP 1 with TP 2.
+    if CPU_EP_PATCH not in patches:
+        raise RuntimeError(
+            "AFD FFN with --enable-expert-parallel on CPU: the installed vLLM lacks the patch "
+            f"{CPU_EP_PATCH}, without which vLLM's CPU experts ignore the expert map and compute wrong outputs "
+            f"silently. Remove --enable-expert-parallel, or install the patched vLLM of this overlay's series. "
+            f"{BUILD_HINT}"
+        )
+    quantization = vllm_config.model_config.quantization
+    if quantization is not None:
+        raise ValueError(
+            f"AFD FFN with --enable-expert-parallel on CPU: quantization {quantization!r}; expected an "
+            f"unquantized model ({CPU_EP_PATCH} covers vLLM's unquantized CPU experts only). Remove "
+            "--enable-expert-parallel, or serve an unquantized checkpoint."
+        )
 
 
 def check_cpu_mla(vllm_config: VllmConfig, role: str, platform: str) -> None:

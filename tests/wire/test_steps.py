@@ -8,7 +8,7 @@ from vllm_afd.wire.errors import AFDProtocolError
 from vllm_afd.wire.messages import ControlPayload
 from vllm_afd.wire.placement import Placement
 from vllm_afd.wire.steps import Stage, StepState
-from vllm_afd.wire.topology import peer_rows, rows
+from vllm_afd.wire.topology import ffn_dp_counts, peer_rows, rows
 
 NAME = "P2pGlooAFDConnector"
 
@@ -77,8 +77,10 @@ def test_ffn_adopts_the_rows_of_its_block_in_subgroup_order():
     ffn_0.adopt(payload)
     ffn_1.adopt(payload)
 
-    assert (ffn_0.stage(0), ffn_0.stage(1)) == (Stage((0, 4, 9), 5, (1, 4)), Stage((2, 2, 0), 4, (2, 2)))
-    assert (ffn_1.stage(0), ffn_1.stage(1)) == (Stage((0, 4, 9), 9, (9,)), Stage((2, 2, 0), 1, (1,)))
+    # Two FFN ranks at FFN TP 1 are two FFN DP ranks: each also adopts both ranks' rows (dp_counts).
+    assert (ffn_0.stage(0), ffn_0.stage(1)) == (Stage((0, 4, 9), 5, (1, 4), (5, 9)),
+                                                Stage((2, 2, 0), 4, (2, 2), (4, 1)))
+    assert (ffn_1.stage(0), ffn_1.stage(1)) == (Stage((0, 4, 9), 9, (9,), (5, 9)), Stage((2, 2, 0), 1, (1,), (4, 1)))
 
 
 _deployments = st.integers(1, 12).flatmap(lambda a: st.tuples(st.just(a), st.integers(1, a))).flatmap(
@@ -157,6 +159,82 @@ def test_before_any_payload_no_stage_has_rows():
 
     with pytest.raises(RuntimeError, match=r"no published rows for stage 0 \(stages \[\]\)"):
         ffn.stage(0)
+
+
+# --- adopt at FFN DP > 1 (docs/topology.md#row-counts) ---------------------------------------------
+
+
+def ffn_pool(num_attention, num_ffn, *, tp_size=1):
+    return [state("ffn", k, num_attention, num_ffn, tp_size=tp_size) for k in range(num_ffn)]
+
+
+@pytest.mark.parametrize("num_attention, counts, dp_counts", [
+    (2, (3, 5), (3, 5)),  # 2A2F: FFN k serves attention k
+    (2, (0, 4), (1, 4)),  # an idle attention DP rank sends its 1-row dummy batch
+    (4, (1, 2, 3, 4), (3, 7)),  # 4A2F: FFN 0 serves attention 0, 1; FFN 1 serves 2, 3
+    (4, (0, 0, 0, 6), (2, 7)),
+    (3, (2, 3, 4), (5, 4)),  # 3A2F: blocks of 2 and 1, no divisibility rule at FFN TP 1
+    (3, (0, 0, 0), (2, 1)),  # every attention rank idle: still >= 1 row per FFN DP rank
+])
+def test_every_ffn_dp_rank_adopts_the_rows_of_every_ffn_dp_rank(num_attention, counts, dp_counts):
+    pool = ffn_pool(num_attention, 2)
+
+    for rank in pool:
+        rank.adopt(ControlPayload({0: counts, 1: (1,) * num_attention}))
+
+    assert [rank.stage(0).dp_counts for rank in pool] == [dp_counts, dp_counts]
+    assert [rank.stage(0).own_rows for rank in pool] == list(dp_counts)
+    ones = tuple(ffn_dp_counts((1,) * num_attention, num_attention, 2, 1))
+    assert [rank.stage(1).dp_counts for rank in pool] == [ones, ones]
+
+
+def test_the_tp_peers_of_an_ffn_dp_rank_adopt_its_rows_once():
+    """Attention 2x2 and FFN 2x2 (the layout rule's symmetric case): one entry per FFN DP rank, not per FFN rank."""
+    pool = ffn_pool(4, 4, tp_size=2)
+
+    for rank in pool:
+        rank.adopt(ControlPayload({0: (3, 3, 5, 5)}))
+
+    assert [rank.stage(0).dp_counts for rank in pool] == [(3, 5)] * 4
+
+
+@pytest.mark.parametrize("role, num_ffn", [("ffn", 1), ("attention", 2)])
+def test_ffn_dp_1_and_attention_ranks_adopt_no_dp_counts(role, num_ffn):
+    rank = state(role, 0, 2, num_ffn)
+
+    rank.adopt(ControlPayload({0: (3, 5)}))
+
+    assert rank.stage(0).dp_counts == ()
+
+
+@given(_deployments)
+@example(((3, 2), [0, 7, 0]))
+def test_the_ffn_dp_counts_are_the_rows_each_ffn_rank_receives(deployment):
+    (num_attention, num_ffn), counts = deployment
+    pool = ffn_pool(num_attention, num_ffn)
+
+    for rank in pool:
+        rank.adopt(ControlPayload({0: tuple(counts)}))
+
+    received = tuple(rank.stage(0).own_rows for rank in pool)
+    assert sum(received) == sum(rows(n) for n in counts)
+    assert {rank.stage(0).dp_counts for rank in pool} == {received if num_ffn > 1 else ()}  # () at FFN DP 1
+
+
+def test_dp_counts_that_disagree_with_the_received_rows_are_a_protocol_error(monkeypatch):
+    import vllm_afd.wire.steps as steps
+
+    rank = state("ffn", 1, 2, 2)
+    monkeypatch.setattr(steps, "ffn_dp_counts", lambda *args: [3, 9])  # an overlay function: a broken topology
+
+    with pytest.raises(AFDProtocolError) as info:
+        rank.adopt(ControlPayload({0: (3, 5)}))
+
+    assert str(info.value) == (
+        f"{NAME}: stage 0 gives ffn rank 1 (FFN DP rank 1) 9 rows among the FFN DP counts [3, 9], but its "
+        "attention peers send 5; expected equal. Run the same vllm_afd version on every rank"
+    )
+    assert rank.payload is None and rank.stages == {}
 
 
 # --- count_exchange ----------------------------------------------------------------------------------

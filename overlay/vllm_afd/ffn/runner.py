@@ -7,6 +7,8 @@ it there, the only place the FFN's step state changes) and hands it to `run_step
 opens one forward context of its own (vLLM's public `create_forward_context` +
 `override_forward_context`) and, layer-major and stage-minor, receives the peers' rows, runs
 the layer's native MLP/MoE block and issues the result's sends back, waited at the end of the step.
+At FFN DP > 1 each stage's MoE calls also carry the FFN-level `DPMetadata` that vLLM's expert-parallel
+dispatch sizes its collectives by (docs/ffn.md#per-step-compute).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from typing import Any
 
 import torch
 from vllm.config import VllmConfig, set_current_vllm_config
-from vllm.forward_context import create_forward_context, override_forward_context
+from vllm.forward_context import DPMetadata, create_forward_context, override_forward_context
 from vllm.logger import init_logger
 
 from vllm_afd.config import AFDConfig
@@ -180,6 +182,7 @@ class AFDFFNModelRunner:
         layers = (self.model.get_experts_layer_indices() if self.gate_on_attention
                   else range(self.num_hidden_layers))
         context = create_forward_context(None, self.vllm_config)
+        dp_metadata = self._dp_metadata()
         output = None
         with override_forward_context(context):
             for layer_idx in layers:
@@ -187,9 +190,10 @@ class AFDFFNModelRunner:
                            if self.gate_on_attention else None)
                 for stage in payload.stages:
                     batch = self.connector.recv_a2f(stage, routing)
-                    # vLLM's fast-MoE cold start pops MoE layer names in call order;
-                    # this context is ours, so point it at this layer.
+                    # vLLM's fast-MoE cold start pops MoE layer names in call order, and its DP dispatch
+                    # reads this stage's rows per FFN DP rank: this context is ours, so point it at both.
                     context.moe_layer_index = self._moe_position.get(layer_idx, 0)
+                    context.dp_metadata = dp_metadata[stage]
                     if self.gate_on_attention:
                         output = self.model.compute_experts_output(
                             batch.hidden_states, layer_idx, batch.router_logits)
@@ -200,6 +204,20 @@ class AFDFFNModelRunner:
             # the attention finished its other stages, docs/pingpong.md#5); their buffers are free after this.
             self.connector.wait_sends()
         return output
+
+    def _dp_metadata(self) -> dict[int, DPMetadata | None]:
+        """Per stage of the adopted payload, the FFN-level `DPMetadata` of vLLM's MoE dispatch; None at FFN DP 1.
+
+        NOTE: the step state holds every FFN DP rank's rows per stage (`Stage.dp_counts`, empty at FFN DP 1),
+        so all FFN DP ranks size the same collectives alike without a collective of their own; vLLM resets the
+        object's `local_sizes` after each MoE call, so one per stage serves every layer.
+        """
+        parallel = self.vllm_config.parallel_config
+        return {
+            stage: DPMetadata.make(parallel, s.own_rows, torch.tensor(s.dp_counts, dtype=torch.int32))
+            if s.dp_counts else None
+            for stage, s in self.connector.steps.stages.items()
+        }
 
     # ---- teardown ---------------------------------------------------------------------
     def close_connector(self) -> None:

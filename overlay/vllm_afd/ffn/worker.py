@@ -5,7 +5,8 @@ empty KV-cache spec it skips memory profiling and allocates no KV cache.  The FF
 reports exactly that, does no warm-up, and starts the FFN loop in
 `compile_or_warm_up_model`, the last engine start-up call, so the engine reports ready
 without waiting for the attention role.  The scheduler stays idle: the FFN's API server
-vetoes generation requests (plugin.py).
+vetoes generation requests (plugin.py).  After start-up only the FFN loop thread runs forwards, so
+only it uses vLLM's DP/EP groups at FFN DP > 1 (docs/ffn.md#threads-and-vllms-groups).
 """
 
 from __future__ import annotations
@@ -51,6 +52,14 @@ class FFNWorkerMixin:
 
     def sample_tokens(self, grammar_output: Any) -> None:
         raise RuntimeError("FFN runners do not sample tokens")
+
+    def execute_dummy_batch(self) -> None:
+        # NOTE: a no-op on purpose.  At DP > 1 vLLM's DP engine core calls this on an idle rank while a DP
+        # "wave" runs (a stray START_DP_WAVE, a dev /pause); its own wave all-reduce is on the engine core's
+        # separate group and completes without it.  The FFN's MoE collectives run only on the FFN loop
+        # thread, driven by attention payloads (every FFN DP rank gets every step, >= 1 row each); a forward
+        # from this (main) thread would issue collectives on the same DP/EP group as the loop thread.
+        return None
 
     def start_ffn_loop(self) -> None:
         """Start the FFN loop once; a live loop only re-raises a stored error."""

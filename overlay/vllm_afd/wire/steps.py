@@ -16,7 +16,7 @@ from vllm_afd.wire.errors import AFDProtocolError
 from vllm_afd.wire.messages import ControlPayload
 from vllm_afd.role import Role
 from vllm_afd.wire.placement import Placement
-from vllm_afd.wire.topology import expand_dp_counts, rows
+from vllm_afd.wire.topology import expand_dp_counts, ffn_dp_counts, rows
 
 __all__ = ["Stage", "StepState"]
 
@@ -31,6 +31,9 @@ class Stage:
     own_rows: int
     # FFN: rows per attention peer in subgroup order; empty on attention ranks.
     peer_rows: tuple[int, ...]
+    # [FFN DP] FFN at DP > 1: rows every FFN DP rank processes, the counts vLLM's MoE dispatch sizes its
+    # collectives by (docs/topology.md#row-counts); empty at FFN DP 1 and on attention ranks.
+    dp_counts: tuple[int, ...] = ()
 
 
 class StepState:
@@ -64,7 +67,8 @@ class StepState:
         return payload
 
     def adopt(self, payload: ControlPayload) -> None:
-        """Derive every stage's rows from ``payload``; nothing changes when a count vector is wrong."""
+        """Derive every stage's rows (FFN at DP > 1: every FFN DP rank's) from ``payload``; nothing changes
+        when a count vector is wrong."""
         p = self.placement
         stages: dict[int, Stage] = {}
         for stage, counts in payload.counts.items():
@@ -78,8 +82,26 @@ class StepState:
                 stages[stage] = Stage(counts, rows(counts[p.role_rank]), ())
             else:
                 peer_rows = tuple(rows(counts[j]) for j in p.attention_peers)
-                stages[stage] = Stage(counts, sum(peer_rows), peer_rows)
+                own_rows = sum(peer_rows)
+                stages[stage] = Stage(counts, own_rows, peer_rows, self._dp_counts(stage, counts, own_rows))
         self.payload, self.stages, self.num_exchanges, self.num_sends = payload, stages, 0, 0
+
+    def _dp_counts(self, stage: int, counts: tuple[int, ...], own_rows: int) -> tuple[int, ...]:
+        """FFN: every FFN DP rank's rows in ``stage``, this rank's checked against ``own_rows``; () at FFN DP 1."""
+        p = self.placement
+        if p.dp_size == 1:
+            return ()
+        dp_counts = tuple(ffn_dp_counts(counts, p.num_attention_ranks, p.num_ffn_ranks, p.tp_size))
+        dp_rank = p.role_rank // p.tp_size
+        if dp_counts[dp_rank] != own_rows:
+            # NOTE: cannot happen while the topology holds; guards the invariant that keeps the FFN DP ranks'
+            # MoE collectives from hanging (each rank's entry is the rows it feeds them).
+            raise AFDProtocolError(
+                f"{self.connector_name}: stage {stage} gives {p.label} (FFN DP rank {dp_rank}) {dp_counts[dp_rank]} "
+                f"rows among the FFN DP counts {list(dp_counts)}, but its attention peers send {own_rows}; expected "
+                "equal. Run the same vllm_afd version on every rank"
+            )
+        return dp_counts
 
     def stage(self, stage: int) -> Stage:
         try:

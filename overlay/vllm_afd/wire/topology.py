@@ -117,8 +117,6 @@ def peer_rows(counts: Sequence[int], ffn_rank: int, num_attention_ranks: int, nu
     return [rows(counts[j]) for j in attention_block(ffn_rank, num_attention_ranks, num_ffn_ranks)]
 
 
-# NOTE: no production caller yet; kept for the planned FFN pool (FFN DP > 1), which needs the FFN-level counts
-# for its forward context (docs/topology.md#row-counts).
 def ffn_dp_counts(counts: Sequence[int], num_attention_ranks: int, num_ffn_ranks: int, tp_ffn: int) -> list[int]:
     """FFN-level DP token counts for the FFN's forward context (docs/topology.md#row-counts).
 
