@@ -307,18 +307,21 @@ def test_require_names_the_caller_when_afd_is_absent():
     assert require_afd_config({"afd": {}}, "AFDAttentionWorker", expected_role="attention").role == "attention"
 
 
-def test_real_engine_args_carry_the_config_from_the_command_line():
+def test_real_engine_args_carry_the_config_from_the_command_line(tmp_path):
     pytest.importorskip("vllm")
     from vllm.engine.arg_utils import EngineArgs
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
+    # NOTE: a local folder, not a hub name: EngineArgs resolves a hub name through huggingface_hub, whose
+    # offline switch another test's import may have frozen on (the result then depends on test order).
+    model = str(tmp_path)
     parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
-    args = parser.parse_args(["--model", "m", "--additional-config", '{"afd": {"afd_role": "ffn", "port": "6390"}}'])
+    args = parser.parse_args(["--model", model, "--additional-config", '{"afd": {"afd_role": "ffn", "port": "6390"}}'])
 
     engine_args = EngineArgs.from_cli_args(args)
 
     assert parse_afd_config(engine_args) == AFDConfig(role="ffn", port=6390)
-    assert parse_afd_config(EngineArgs(model="m")) is None
+    assert parse_afd_config(EngineArgs(model=model)) is None
 
 
 # --- properties ---------------------------------------------------------------------------------
