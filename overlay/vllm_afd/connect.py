@@ -21,7 +21,8 @@ import torch
 from vllm_afd.config import AFDConfig
 from vllm_afd.outage import outage_notice_writer
 from vllm_afd.wire.attention_end import AttentionConnector
-from vllm_afd.wire.auth import load_secret
+from vllm_afd.config.secret import load_secret
+from vllm_afd.wire.auth import Secret
 from vllm_afd.wire.ends import make_connector
 from vllm_afd.wire.ffn_end import FFNConnector
 from vllm_afd.wire.handshake import Fingerprint
@@ -181,7 +182,8 @@ def build_connector(
     ``terminate``: what an unobserved failure ends in (a healing attention re-forms instead). The shared
     secret (``VLLM_AFD_SECRET`` or ``secret_file``, wire/auth.py) is read here, before anything is taken.
     """
-    secret = load_secret(afd_config.secret_file)
+    found = load_secret(afd_config.secret_file)
+    secret = None if found is None else Secret(*found)
     fingerprint = build_fingerprint(vllm_config, afd_config, placement)
     gate_on_attention = afd_config.compute_gate_on_attention
     spec = ConnectorSpec(

@@ -9,7 +9,8 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from vllm_afd.wire import auth
-from vllm_afd.wire.auth import AUTH_FIX, NO_SECRET, SECRET_ENV, PairingProof, Secret, load_secret
+from vllm_afd.config.secret import SECRET_ENV, load_secret
+from vllm_afd.wire.auth import AUTH_FIX, NO_SECRET, PairingProof, Secret
 from vllm_afd.wire.errors import AFDAuthenticationError, AFDProtocolError
 
 KEY = b"correct horse battery staple 0123456789"
@@ -194,8 +195,7 @@ def test_the_secret_comes_from_the_environment_or_the_file(tmp_path):
     from_file = load_secret(str(path), environ={})
     from_env = load_secret("", environ={SECRET_ENV: KEY.decode()})
 
-    assert from_file.key == from_env.key == KEY
-    assert (from_file.source, from_env.source) == (f"secret_file {path}", SECRET_ENV)
+    assert (from_file, from_env) == ((KEY, f"secret_file {path}"), (KEY, SECRET_ENV))
     assert load_secret("", environ={}) is None
 
 

@@ -8,7 +8,7 @@ from typing import Any
 
 from vllm_afd.config.coercion import FrozenMapping
 from vllm_afd.config.constants import CAM_CONNECTORS, CONNECTOR_HINT, CONNECTORS, NUM_STAGES, ROLES
-from vllm_afd.wire.auth import check_secret_file
+from vllm_afd.config.secret import check_secret_file
 
 
 def check_values(values: Mapping[str, Any], *, async_dp: bool, expected_role: str | None) -> None:

@@ -10,7 +10,8 @@ slot is the nonce it drew itself. So a proof recorded in an earlier rendezvous (
 another rank or over another fingerprint does not verify. Both roles must agree on whether a secret is
 used: a rank with one refuses a peer without, and the other way round.
 
-``load_secret`` is the one place ``VLLM_AFD_SECRET`` is read. Pure Python: no torch, no vLLM, no socket;
+The secret is read by ``vllm_afd.config.secret`` (the environment variable or ``secret_file``); this
+module only uses it. Pure Python: no torch, no vLLM, no socket;
 ``Rendezvous.exchange_fingerprints`` (rendezvous.py) drives ``PairingProof`` over the store.
 """
 
@@ -19,31 +20,24 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
-import os
 import re
 import secrets
-import stat
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from vllm_afd.config.secret import SECRET_ENV
 from vllm_afd.wire.errors import AFDAuthenticationError, AFDProtocolError
 
 __all__ = [
     "AUTH_FIX",
-    "SECRET_ENV",
     "NO_SECRET",
     "PairingProof",
     "Secret",
-    "check_secret_file",
-    "load_secret",
     "warn_unauthenticated_once",
 ]
 
-SECRET_ENV = "VLLM_AFD_SECRET"
-# A secret file larger than this is not a secret (a wrong path): refused before it is read whole.
-MAX_SECRET_BYTES = 64 * 1024
 NONCE_BYTES = 32
 # What a rank without a secret publishes as its nonce and its proof.
 NO_SECRET = b"none"
@@ -65,48 +59,6 @@ class Secret:
     key: bytes = field(repr=False)
     # Where it came from, for messages: "VLLM_AFD_SECRET" or "secret_file <path>".
     source: str
-
-
-def check_secret_file(path: str) -> bytes:
-    """The secret held by ``path``: a readable regular file, at most 64 KiB, non-empty once trailing line
-    ends are stripped; else ``ValueError`` naming the path and the fix (the content is never shown)."""
-    where = f"AFD secret_file {path!r}"
-    try:
-        info = os.stat(path)  # NOTE: follows links: a Kubernetes Secret volume's files are links
-        if not stat.S_ISREG(info.st_mode):
-            raise ValueError(f"{where} is not a regular file; expected a file holding the shared secret. "
-                             "Point secret_file at the mounted secret's file")
-        if info.st_size > MAX_SECRET_BYTES:
-            raise ValueError(f"{where} holds {info.st_size} bytes; expected a secret of at most "
-                             f"{MAX_SECRET_BYTES} bytes. Check the path (e.g. `openssl rand -hex 32 > FILE`)")
-        with open(path, "rb") as handle:
-            key = handle.read(MAX_SECRET_BYTES + 1).rstrip(b"\r\n")
-    except OSError as exc:
-        raise ValueError(f"{where} cannot be read ({exc.strerror or exc}); expected a file this user can "
-                         "read. Fix the path or its permissions") from exc
-    if not key:
-        raise ValueError(f"{where} is empty; expected the shared secret (e.g. `openssl rand -hex 32 > FILE`), "
-                         "the same on both roles")
-    return key
-
-
-def load_secret(secret_file: str, environ: Mapping[str, str] = os.environ) -> Secret | None:
-    """The shared secret from ``VLLM_AFD_SECRET`` or ``secret_file``; None when neither is set.
-
-    Both set is an error (which one would win is a guess), and so is an empty variable.
-    """
-    value = environ.get(SECRET_ENV)
-    if value is not None and secret_file:
-        raise ValueError(f"AFD secret: both {SECRET_ENV} and secret_file ({secret_file!r}) are set; expected "
-                         f"one. Unset {SECRET_ENV} or remove secret_file from additional_config[\"afd\"]")
-    if value is not None:
-        if not value.strip():
-            raise ValueError(f"AFD secret: {SECRET_ENV} is set but empty; expected the shared secret, the same "
-                             f"on both roles. Set it, or unset it to run unauthenticated")
-        return Secret(value.encode(), SECRET_ENV)
-    if secret_file:
-        return Secret(check_secret_file(secret_file), f"secret_file {secret_file}")
-    return None
 
 
 def warn_unauthenticated_once(address: str) -> None:
