@@ -12,7 +12,8 @@ import pytest
 from vllm_afd.wire.errors import AFDConfigMismatchError, AFDLayoutError, AFDRendezvousTimeout
 from vllm_afd.wire.handshake import Fingerprint
 from vllm_afd.wire.placement import Placement
-from vllm_afd.wire.rendezvous import Rendezvous, RendezvousSpec, rank_key
+from vllm_afd.wire.rendezvous import Rendezvous, RendezvousSpec
+from vllm_afd.wire.store import knock, rank_key
 
 MODEL_FACTS = dict(
     overlay_version="0.1.0", vllm_version="0.30.0", architecture="Qwen3MoeForCausalLM", hidden_size=64,
@@ -275,7 +276,7 @@ def test_knocking_leaves_the_store_serving_clients_and_silent(capfd):
     client = Rendezvous(spec("attention", 0, 1, 1, port))
 
     for _ in range(20):
-        client._knock(1.0)
+        knock("127.0.0.1", port, 1.0)
     knock_output = capfd.readouterr()
     other = client.connect_client()
     other.set("afd/test/key", "value")

@@ -17,7 +17,7 @@ from torch.distributed import TCPStore
 
 from vllm_afd.wire.errors import AFDPeerLostError, AFDStepTimeoutError
 from vllm_afd.wire.placement import Placement
-from vllm_afd.wire.rendezvous import rank_key
+from vllm_afd.wire.store import rank_key
 from vllm_afd.wire.failure import FailureLatch
 from vllm_afd.wire.watchdog import NULL_WATCHDOG, STARTUP_DONE_KEY, Watchdog, WatchdogSpec
 

@@ -1,64 +1,43 @@
 """Rendezvous of all F + A ranks at one TCP store hosted by FFN rank 0 (docs/connection.md#rendezvous).
 
 Steps, all bounded by one deadline (``rendezvous_timeout_s``): FFN rank 0 listens, the others connect
-with retry; every rank claims its ``(role, role_rank)`` atomically; every rank publishes its
-fingerprint with its pairing proof (wire/auth.py), waits for all others, checks the proofs and compares
-(``AFDConnector.init`` in wire/connector.py runs the steps, between them opening the watchdog's own
-connection); a pairing refused for its proofs starts over on a fresh store until the deadline. Groups
-built later are key prefixes of this store (no derived ports), so FFN ranks may span hosts.
+with retry (wire/store.py); every rank claims its ``(role, role_rank)`` atomically; every rank publishes
+its fingerprint with its pairing proof (wire/auth.py), waits for all others, checks the proofs and
+compares (``AFDConnector.init`` in wire/connector.py runs the steps, between them opening the watchdog's
+own connection); a pairing refused for its proofs starts over on a fresh store until the deadline
+(wire/refusal.py). Groups built later are key prefixes of this store (no derived ports), so FFN ranks
+may span hosts.
 torch.distributed is imported lazily, at the first store operation.
 """
 
 from __future__ import annotations
 
 import datetime
-import errno
 import functools
 import logging
-import socket
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from vllm_afd.wire.auth import AUTH_FIX, PairingProof, Secret
-from vllm_afd.wire.errors import AFDAuthenticationError, AFDPeerLostError, AFDRendezvousTimeout
-from vllm_afd.wire.handshake import Fingerprint, compare_fingerprints
 from vllm_afd.role import Role
+from vllm_afd.wire.auth import PairingProof, Secret
+from vllm_afd.wire.errors import AFDAuthenticationError, AFDRendezvousTimeout
+from vllm_afd.wire.handshake import Fingerprint, compare_fingerprints
 from vllm_afd.wire.placement import Placement
+from vllm_afd.wire.refusal import (REFUSAL_BACKOFF_S, REFUSED_KEY, last_refusal, leave_refused_store,
+                                   peer_refused_error, refusal_text)
+from vllm_afd.wire.store import (POLL_INTERVAL_S, STALE_CLAIM_POLL_S, connect_client, host_store, rank_key,
+                                 store_lost_error)
 
-__all__ = [
-    "KEY_PREFIX",
-    "Rendezvous",
-    "RendezvousSpec",
-    "rank_key",
-    "store_lost_error",
-]
+__all__ = ["Rendezvous", "RendezvousSpec"]
 
-KEY_PREFIX = "afd"
-# Poll period while waiting for other ranks' keys; short against a start-up of seconds.
-POLL_INTERVAL_S = 0.02
-# Per-attempt bound of a TCP connect to FFN rank 0 while it is not listening yet.
-CONNECT_ATTEMPT_S = 1.0
 # While waiting (for the store, or for other ranks' fingerprints), one INFO line per this many seconds.
 WAIT_LOG_INTERVAL_S = 10.0
-# Poll period while a held claim may turn out stale, and while a re-forming store host rebinds its port.
-STALE_CLAIM_POLL_S = 0.1
-# After a refused pairing: the store host waits this long at most for every rank to have refused too before it
-# drops the store, then this long again before it hosts a new one (no busy loop of refusals).
-REFUSAL_GRACE_S = 2.0
-REFUSAL_BACKOFF_S = 1.0
-# Counter of the ranks that refused this store's pairing (docs/connection.md#store-keys).
-REFUSED_KEY = "afd/refused"
 # The roles in AFD rank order (FFN first), as messages list ranks.
 AFD_ROLE_ORDER = (Role.FFN, Role.ATTENTION)
 
 logger = logging.getLogger(__name__)
-
-
-def rank_key(kind: str, role: Role, role_rank: int) -> str:
-    """Store key of one rank's record of ``kind`` (claim, fingerprint, heartbeat)."""
-    return f"{KEY_PREFIX}/{kind}/{role}/{role_rank}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,16 +90,6 @@ class RendezvousSpec:
         ]
 
 
-def store_lost_error(address: str, role: str, role_rank: int, exc: BaseException) -> AFDPeerLostError:
-    """The store's host (FFN rank 0) is gone: every rank that talks through the store lost a peer."""
-    return AFDPeerLostError(
-        f"AFD peer lost: the rendezvous store at {address} (hosted by ffn rank 0) is unreachable from "
-        f"{role} rank {role_rank} ({exc}); expected FFN rank 0 to stay up for the whole AFD run. Check "
-        "FFN rank 0's log and restart it: the other ranks pair with it again once it is back (an attention "
-        "with CUDA graphs is restarted too; docs/operations.md)"
-    )
-
-
 class Rendezvous:
     """One rank's rendezvous; ``store`` is set once connected and stays owned by the caller."""
 
@@ -164,8 +133,24 @@ class Rendezvous:
 
     def connect(self) -> Any:
         """FFN rank 0 listens and hosts the store; every other rank connects, retrying until the deadline."""
-        self.store = self._host_store() if self.spec.is_store_host else self.connect_client()
+        spec = self.spec
+        if spec.is_store_host:
+            self.store = host_store(spec.host, spec.port, self._rebind_s, self.remaining_s, self._clock, self._sleep)
+        else:
+            self.store = self.connect_client()
         return self.store
+
+    def connect_client(self) -> Any:
+        """A new client connection to the store (wire/store.py), retrying until the deadline; one INFO line
+        per interval says what this rank waits for."""
+        return connect_client(self.spec.host, self.spec.port, self.remaining_s, self._wait_for_store)
+
+    def _wait_for_store(self, last_error: BaseException) -> None:
+        self._check_cancelled()
+        if self.remaining_s() <= 0.0:
+            raise self._unreachable_error(f"last error: {last_error}")
+        self._log_waiting("FFN rank 0 (the rendezvous store)", "rendezvous")
+        self._sleep(min(0.1, self.remaining_s()))
 
     def claim(self) -> bool:
         """Claim ``(role, role_rank)`` atomically; True once claimed.
@@ -219,40 +204,16 @@ class Rendezvous:
         return fingerprints
 
     def refuse(self, refusal: AFDAuthenticationError) -> None:
-        """Leave a pairing refused for its proofs so that a new one can start on a fresh store.
-
-        Every rank counts its refusal in the store (the others' waits see it and refuse too); the store host
-        waits (``REFUSAL_GRACE_S`` at most, past the deadline too) until all have, so no rank loses the store
-        in the middle of its checks, then drops it and, after ``REFUSAL_BACKOFF_S``, hosts a new one
-        (``connect()``); the others wait for the store to go away. The waiting role keeps waiting: only the
-        deadline ends it, naming the refusal.
-        """
-        from torch.distributed import DistNetworkError
-
-        if self.refused is None or not isinstance(refusal, _PeerRefusedError):
-            self.refused = refusal  # NOTE: a rank's own reason, not the relayed one, when it has one
+        """Leave a pairing refused for its proofs (wire/refusal.py) so that a new one can start on a fresh
+        store: the store host drops this one and hosts the next (``connect()``) after ``REFUSAL_BACKOFF_S``."""
+        self.refused = last_refusal(self.refused, refusal)
         if self._clock() >= self._next_refusal_log:
             self._next_refusal_log = self._clock() + self._log_interval_s
             logger.error("AFD %s: refused the pairing at %s: %s; still waiting for ranks that authenticate "
                          "(until rendezvous_timeout_s / reform_timeout_s)", self.spec.label, self.spec.address, refusal)
-        try:
-            self.store.add(REFUSED_KEY, 1)
-            if self.spec.is_store_host:
-                grace = self._clock() + REFUSAL_GRACE_S
-                while self.store.add(REFUSED_KEY, 0) < len(self.spec.all_ranks()) and self._clock() < grace:
-                    self._check_cancelled()
-                    self._sleep(POLL_INTERVAL_S)
-                if self.remaining_s() <= 0.0:
-                    raise self.timeout_error("waiting for a pairing that authenticates")
-            else:
-                while True:  # until FFN rank 0 drops this store: DistNetworkError
-                    self.store.check([REFUSED_KEY])
-                    self._check_cancelled()
-                    if self.remaining_s() <= 0.0:
-                        raise self.timeout_error("waiting for a pairing that authenticates")
-                    self._sleep(STALE_CLAIM_POLL_S)
-        except DistNetworkError:
-            pass  # the store is gone already
+        leave_refused_store(self.store, self.spec.is_store_host, len(self.spec.all_ranks()), self._clock,
+                            self._sleep, self._check_cancelled,
+                            lambda: self._check_deadline("waiting for a pairing that authenticates"))
         self.store = None
         self._claimed = False
         if self.spec.is_store_host:
@@ -287,7 +248,7 @@ class Rendezvous:
         """Poll until every key exists; our own claim is re-checked so a late duplicate fails us too.
 
         With ``log_stage``, one line per interval names the ranks that have not claimed yet; with ``refusals``,
-        another rank's refusal of this pairing (``refuse()``) is ours too: ``_PeerRefusedError``.
+        another rank's refusal of this pairing (``refuse()``) is ours too: ``PeerRefusedError``.
         """
         while True:
             complete = self._store_call(lambda: self.store.check(keys))
@@ -297,11 +258,9 @@ class Rendezvous:
             if complete:
                 return  # NOTE: before a relayed refusal, so a rank with every value finds its own reason
             if refusals and self._store_call(lambda: self.store.check([REFUSED_KEY])):
-                raise _PeerRefusedError(f"AFD {self.spec.label}: {AUTH_FIX} (another rank refused this pairing's "
-                                        "proofs; its log names the rank and why)")
+                raise peer_refused_error(self.spec.label)
             self._check_cancelled()
-            if self.remaining_s() <= 0.0:
-                raise self.timeout_error(stage)
+            self._check_deadline(stage)
             if log_stage is not None and self._clock() >= self._next_log:
                 self._log_waiting(self._missing_ranks_text(), log_stage)
             self._sleep(POLL_INTERVAL_S)
@@ -323,6 +282,10 @@ class Rendezvous:
                 "closed while waiting; expected no close() before AFDConnector.init() returns"
             )
 
+    def _check_deadline(self, stage: str) -> None:
+        if self.remaining_s() <= 0.0:
+            raise self.timeout_error(stage)
+
     def timeout_error(self, stage: str) -> AFDRendezvousTimeout:
         """The timeout of docs/connection.md#rendezvous: who joined, who is missing (from the claims)."""
         spec = self.spec
@@ -340,11 +303,8 @@ class Rendezvous:
         return AFDRendezvousTimeout(
             f"AFD rendezvous timed out after {spec.timeout_s:g}s at {spec.address} ({spec.identity}); "
             f"joined: {_format_ranks(joined, skip_empty=False)}; missing: {missing_text}. Start the "
-            f"other role with the same host/port/topology, or raise rendezvous_timeout_s{self._refusal_text()}"
+            f"other role with the same host/port/topology, or raise rendezvous_timeout_s{refusal_text(self.refused)}"
         )
-
-    def _refusal_text(self) -> str:
-        return "" if self.refused is None else f". The last pairing was refused: {self.refused}"
 
     def _unreachable_error(self, detail: str) -> AFDRendezvousTimeout:
         spec = self.spec
@@ -352,7 +312,7 @@ class Rendezvous:
             f"AFD rendezvous timed out after {spec.timeout_s:g}s at {spec.address} ({spec.identity}): "
             f"cannot reach the AFD rendezvous store at {spec.address} (hosted by FFN rank 0) "
             f"({detail}). Start the other role with the same host/port/topology, or raise "
-            f"rendezvous_timeout_s{self._refusal_text()}"
+            f"rendezvous_timeout_s{refusal_text(self.refused)}"
         )
 
     def _duplicate_error(self) -> ValueError:
@@ -375,93 +335,6 @@ class Rendezvous:
             return call()
         except DistNetworkError as exc:
             raise store_lost_error(self.spec.address, self.spec.role, self.spec.role_rank, exc) from exc
-
-    def _store_timeout(self) -> datetime.timedelta:
-        return datetime.timedelta(seconds=max(self.remaining_s(), 1.0))
-
-    def _host_store(self) -> Any:
-        from torch.distributed import TCPStore
-
-        spec = self.spec
-        try:
-            listener = self._listen(self._clock() + min(self._rebind_s, self.remaining_s()))
-        except OSError as exc:
-            raise RuntimeError(
-                f"AFD FFN rank 0 cannot listen on {spec.address}: {exc}; 'port' must be free and 'host' "
-                "must be this machine's address"
-            ) from exc
-        # NOTE: we bind the socket ourselves so a busy port yields the OS error, not a store timeout.
-        return TCPStore(
-            spec.host,
-            spec.port,
-            is_master=True,
-            master_listen_fd=listener.detach(),
-            wait_for_workers=False,
-            use_libuv=False,
-            timeout=self._store_timeout(),
-        )
-
-    def _listen(self, rebind_until: float) -> socket.socket:
-        """Bind and listen on the store's address; EADDRINUSE is retried until ``rebind_until``."""
-        spec = self.spec
-        family, kind, proto, _, address = socket.getaddrinfo(spec.host, spec.port, type=socket.SOCK_STREAM)[0]
-        while True:
-            listener = socket.socket(family, kind, proto)
-            try:
-                listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                listener.bind(address)
-                listener.listen()
-                return listener
-            except OSError as exc:
-                listener.close()
-                if exc.errno != errno.EADDRINUSE or self._clock() >= rebind_until:
-                    raise
-            self._sleep(STALE_CLAIM_POLL_S)
-
-    def connect_client(self) -> Any:
-        """A new client connection to the store (FFN rank 0 connects to itself), retrying until the deadline.
-
-        While nobody listens, only a plain socket knocks: torch's TCPStore client writes a C++ stack
-        trace to stderr for every failed attempt (~700 lines a minute), so it is created only once
-        the port accepts.  One INFO line per interval says what this rank waits for.
-        """
-        from torch.distributed import TCPStore
-
-        spec = self.spec
-        last_error: BaseException | None = None
-        while True:
-            # NOTE: short attempts: TCPStore's connect retries internally for up to ~3x its timeout.
-            attempt_s = min(CONNECT_ATTEMPT_S, max(self.remaining_s() / 3.0, 0.05))
-            try:
-                self._knock(attempt_s)
-                store = TCPStore(spec.host, spec.port, is_master=False, wait_for_workers=False,
-                                 timeout=datetime.timedelta(seconds=attempt_s))
-                store.set_timeout(self._store_timeout())
-                return store
-            except OSError as exc:  # nobody listens (yet); the knock's error, never a trace
-                last_error = exc
-            except RuntimeError as exc:  # DistNetworkError: the port accepted, the store did not answer in time
-                last_error = exc
-            self._check_cancelled()
-            if self.remaining_s() <= 0.0:
-                raise self._unreachable_error(f"last error: {last_error}")
-            self._log_waiting("FFN rank 0 (the rendezvous store)", "rendezvous")
-            self._sleep(min(0.1, self.remaining_s()))
-
-    def _knock(self, timeout_s: float) -> None:
-        """Raise ``OSError`` unless something accepts TCP connections at the store's address.
-
-        NOTE: the knock closes at once; the store's server sees a peer that closed before it spoke,
-        which it drops without a log line (tests/wire/test_rendezvous.py checks it keeps serving).  A
-        new TCPStore client stalls ~5 s in 1-2 % of connects with or without a knock before it (measured
-        on torch 2.13, 2026-12-01); the short attempt below turns such a stall into one retry.
-        """
-        with socket.create_connection((self.spec.host, self.spec.port), timeout=timeout_s):
-            pass
-
-
-class _PeerRefusedError(AFDAuthenticationError):
-    """Another rank refused this pairing (its log says why); this rank leaves it too."""
 
 
 def _format_ranks(ranks: dict[Role, Iterable[int]], *, skip_empty: bool) -> str:

@@ -23,6 +23,7 @@ from vllm_afd.wire.errors import AFDPeerLostError, AFDStepTimeoutError
 from vllm_afd.wire.failure import FailureLatch
 from vllm_afd.role import Role
 from vllm_afd.wire.placement import Placement
+from vllm_afd.wire.store import rank_key, store_lost_error
 
 __all__ = ["NULL_WATCHDOG", "STARTUP_DONE_KEY", "NullWatchdog", "Watchdog", "WatchdogSpec"]
 
@@ -165,8 +166,6 @@ class Watchdog:
 
     def _beat(self) -> None:
         """Heartbeat thread: one store round per interval (bump ours, read the peers', the start-up count)."""
-        from vllm_afd.wire.rendezvous import rank_key
-
         spec = self.spec
         own_key = rank_key("heartbeat", spec.placement.role, spec.placement.role_rank)
         peer_keys = [rank_key("heartbeat", role, rank) for role, rank in spec.placement.peers]
@@ -266,6 +265,4 @@ class Watchdog:
         )
 
     def _store_lost(self, exc: BaseException) -> AFDPeerLostError:
-        from vllm_afd.wire.rendezvous import store_lost_error
-
         return store_lost_error(self.spec.address, self.spec.placement.role, self.spec.placement.role_rank, exc)
