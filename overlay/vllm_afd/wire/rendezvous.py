@@ -36,6 +36,10 @@ __all__ = ["Rendezvous", "RendezvousSpec"]
 WAIT_LOG_INTERVAL_S = 10.0
 # The roles in AFD rank order (FFN first), as messages list ranks.
 AFD_ROLE_ORDER = (Role.FFN, Role.ATTENTION)
+# Store counter: ranks that read every fingerprint of this pairing; after a refused comparison the store host
+# keeps the store until all have, this long at most.
+COMPARED_KEY = "afd/compared"
+COMPARE_GRACE_S = 2.0
 
 logger = logging.getLogger(__name__)
 
@@ -198,10 +202,25 @@ class Rendezvous:
         self.wait_for_keys(proof_keys + keys, "waiting for the other ranks' fingerprints", log_stage="handshake",
                            refusals=True)
         values = self._store_call(lambda: self.store.multi_get(proof_keys + keys))
+        self._store_call(lambda: self.store.add(COMPARED_KEY, 1))
         proof.verify(values[:len(ranks)], values[len(ranks):])
         fingerprints = {rank: Fingerprint.from_json(value) for rank, value in zip(ranks, values[len(ranks):])}
-        compare_fingerprints(fingerprint, fingerprints.values())
+        try:
+            compare_fingerprints(fingerprint, fingerprints.values())
+        except ValueError:  # AFDConfigMismatchError, AFDLayoutError
+            self._linger_until_compared(len(ranks))
+            raise
         return fingerprints
+
+    def _linger_until_compared(self, num_ranks: int) -> None:
+        """Store host, after a refused comparison: keep the store until every rank has read the fingerprints
+        (``COMPARED_KEY``), at most ``COMPARE_GRACE_S``, so each names the mismatch itself instead of losing the
+        store in the middle of its reads."""
+        if not self.spec.is_store_host:
+            return
+        until = self._clock() + COMPARE_GRACE_S
+        while self._store_call(lambda: self.store.add(COMPARED_KEY, 0)) < num_ranks and self._clock() < until:
+            self._sleep(POLL_INTERVAL_S)
 
     def refuse(self, refusal: AFDAuthenticationError) -> None:
         """Leave a pairing refused for its proofs (wire/refusal.py) so that a new one can start on a fresh
