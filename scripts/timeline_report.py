@@ -16,8 +16,14 @@ layer (ms):
   step                host time from one step's start to the next's, per layer: everything above plus
                       the host's share (scheduling, sampling, launches), 'other' = step - the rest
 
-Marks of the two roles share one clock only on one host (host clock) or one GPU (device clock); the
-picture draws both roles on the attention's axis when they do, else each from its own first mark.
+With several FFN ranks (an FFN pool: FFN DP > 1, or TP) a second table has one row per FFN rank: its steps,
+rows, FFN compute and idle, and how long after the first FFN rank its rows arrived (a late rank holds the
+others in the EP collectives, which FFN compute then includes). The picture draws one lane per rank, the
+attention ranks above the FFN ranks, for one step that every file holds.
+
+Marks of two ranks share one clock only on one host (host clock) or one GPU (device clock); the picture
+draws every lane on attention rank 0's axis when all lanes name its clock, else each from its own first
+mark, and the arrival column needs one clock for all FFN ranks.
 """
 
 from __future__ import annotations
@@ -32,6 +38,19 @@ from typing import Any
 from vllm_afd.wire.timeline import StepRecord, read_records
 
 COLUMNS = ("attention compute", "round trip", "FFN compute", "transport", "FFN idle", "step", "other")
+
+
+def rank_key(stem: str) -> tuple[int, int, str]:
+    """Sort order of file stems: attention ranks, then FFN ranks, each by rank number; anything else last."""
+    role, _, number = stem.rpartition("-")
+    order = {"attention": 0, "ffn": 1}.get(role, 2)
+    return (order, int(number), stem) if number.isdigit() and order < 2 else (2, 0, stem)
+
+
+def role_stems(ranks: dict[str, list[StepRecord]], role: str) -> list[str]:
+    """The file stems of one role (``ffn-0``, ``ffn-1``, ...), by rank number."""
+    return sorted((s for s in ranks if s.rpartition("-")[0] == role and s.rpartition("-")[2].isdigit()),
+                  key=rank_key)
 
 
 def load(directory: Path) -> dict[str, list[StepRecord]]:
@@ -84,21 +103,61 @@ def breakdown(ranks: dict[str, list[StepRecord]]) -> list[dict[str, Any]]:
     return rows
 
 
+def ffn_ranks(ranks: dict[str, list[StepRecord]]) -> list[dict[str, Any]]:
+    """One row per FFN rank: steps (joined: also on attention rank 0), rows, compute and idle medians (ms), and
+    the median of how long after the first FFN rank its rows arrived, per exchange (one clock only)."""
+    stems = role_stems(ranks, "ffn")
+    attention_seqs = {r.step_seq for r in ranks.get("attention-0", [])}
+    by_rank = {stem: {r.step_seq: r for r in ranks[stem]} for stem in stems}
+    common = set.intersection(*(set(records) for records in by_rank.values())) if stems else set()
+    clocks = {by_rank[stem][seq].clock for stem in stems for seq in common}
+    lags: dict[str, list[int]] = {stem: [] for stem in stems}
+    if len(clocks) == 1 and clocks != {"device"}:  # device clocks of two GPUs do not compare
+        for seq in common:
+            arrived = {stem: _marks(by_rank[stem][seq], "a2f_recv_end") for stem in stems}
+            for key in set.intersection(*(set(a) for a in arrived.values())):
+                first = min(a[key] for a in arrived.values())
+                for stem in stems:
+                    lags[stem].append(arrived[stem][key] - first)
+    rows = []
+    for stem in stems:
+        records = ranks[stem]
+        rows.append({
+            "FFN rank": stem.rpartition("-")[2], "steps": len(records),
+            "joined": len({r.step_seq for r in records} & attention_seqs),
+            "rows": statistics.median_low([r.rows for r in records]) if records else None,
+            "FFN compute": _median_ms([s for r in records for s in r.ffn_compute_ns()]),
+            "FFN idle": _median_ms([s for r in records for s in r.spans_ns("a2f_recv_start", "a2f_recv_end")]),
+            "rows arrive after first": _median_ms(lags[stem]),
+        })
+    return rows
+
+
+def _marks(record: StepRecord, kind: str) -> dict[tuple[int, int], int]:
+    return {(m.exchange, m.stage): m.t_ns for m in record.marks if m.kind == kind}
+
+
 def _step_periods(records: list[StepRecord], selected: set[int]) -> list[int]:
     """Host ns from a selected step's start to the next step's start (consecutive step numbers only)."""
     by_seq = {r.step_seq: r for r in records}
     return [by_seq[s + 1].opened_ns - by_seq[s].opened_ns for s in sorted(selected) if s + 1 in by_seq]
 
 
-def markdown(rows: list[dict[str, Any]]) -> str:
-    head = ["kind", "rows", "steps", "layers", *COLUMNS, "host syncs", "FFN host syncs"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for row in rows:
-        cells = [row.get(name) for name in head]
-        lines.append("| " + " | ".join(_cell(c) for c in cells) + " |")
+def markdown(rows: list[dict[str, Any]], pool: list[dict[str, Any]] | None = None) -> str:
+    lines = _table(["kind", "rows", "steps", "layers", *COLUMNS, "host syncs", "FFN host syncs"], rows)
     lines.append("")
     lines.append("Medians per crossing layer in ms (docs/timeline.md#report); transport = round trip - FFN compute.")
+    if pool and len(pool) > 1:
+        lines += ["", *_table(list(pool[0]), pool), "",
+                  "Per FFN rank, medians per crossing layer in ms; joined = steps attention rank 0 also holds."]
     return "\n".join(lines)
+
+
+def _table(head: list[str], rows: list[dict[str, Any]]) -> list[str]:
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for row in rows:
+        lines.append("| " + " | ".join(_cell(row.get(name)) for name in head) + " |")
+    return lines
 
 
 def _cell(value: Any) -> str:
@@ -107,50 +166,70 @@ def _cell(value: Any) -> str:
     return f"{value:.3f}" if isinstance(value, float) else str(value)
 
 
+# Spans each role's lane draws: (start mark, end mark, colour, legend label).
+LANE_SPANS = {
+    "attention": [("a2f_send_start", "f2a_recv_end", "tab:gray", "round trip")],
+    "ffn": [("a2f_recv_start", "a2f_recv_end", "lightgray", "waits for rows"),
+            ("a2f_recv_end", "f2a_send_start", "tab:orange", "FFN compute"),
+            ("f2a_send_start", "f2a_send_end", "tab:green", "send back")],
+}
+
+
+def pick_step(ranks: dict[str, list[StepRecord]], replay: bool | None = None) -> dict[str, StepRecord]:
+    """One measured step of attention rank 0 that every rank's file holds: its record per file stem, or {}."""
+    stems = role_stems(ranks, "attention") + role_stems(ranks, "ffn")
+    if "attention-0" not in stems or not role_stems(ranks, "ffn"):
+        return {}
+    by_rank = {stem: {r.step_seq: r for r in ranks[stem]} for stem in stems}
+    candidates = [r for r in ranks["attention-0"] if (replay is None or r.graph_replay == replay)
+                  and all(r.step_seq in records for records in by_rank.values())]
+    if not candidates:
+        return {}
+    seq = candidates[len(candidates) // 2].step_seq
+    return {stem: by_rank[stem][seq] for stem in stems}
+
+
 def draw(ranks: dict[str, list[StepRecord]], path: Path, *, replay: bool | None = None) -> int | None:
-    """One measured step of attention rank 0 and FFN rank 0 as lanes; returns the step drawn."""
+    """One measured step, one lane per rank (attention ranks, then FFN ranks); returns the step drawn."""
+    step = pick_step(ranks, replay)
+    if not step:
+        return None
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    attention = [r for r in ranks.get("attention-0", []) if replay is None or r.graph_replay == replay]
-    ffn_by_seq = {r.step_seq: r for r in ranks.get("ffn-0", [])}
-    candidates = [r for r in attention if r.step_seq in ffn_by_seq]
-    if not candidates:
-        return None
-    record = candidates[len(candidates) // 2]
-    ffn = ffn_by_seq[record.step_seq]
-    shared = record.clock == ffn.clock
+    record = step["attention-0"]
+    shared = len({r.clock for r in step.values()}) == 1
     origin = record.marks[0].t_ns
-    lanes = [("attention", record, [("a2f_send_start", "f2a_recv_end", "tab:gray", "round trip")],
-              origin),
-             ("FFN", ffn, [("a2f_recv_start", "a2f_recv_end", "lightgray", "waits for rows"),
-                           ("a2f_recv_end", "f2a_send_start", "tab:orange", "FFN compute"),
-                           ("f2a_send_start", "f2a_send_end", "tab:green", "send back")],
-              origin if shared else ffn.marks[0].t_ns)]
-    fig, ax = plt.subplots(figsize=(12, 2.8))
+    lanes = list(step.items())
+    fig, ax = plt.subplots(figsize=(12, 1.2 + 0.8 * len(lanes)))
     labelled: set[str] = set()
-    for y, (_name, rec, spans, zero) in enumerate(lanes):
-        for start, end, color, label in spans:
-            starts = {(m.exchange, m.stage): m.t_ns for m in rec.marks if m.kind == start}
+
+    def bar(y: int, t0_ns: int, length_ns: int, color: str, label: str) -> None:
+        ax.broken_barh([(t0_ns / 1e3, length_ns / 1e3)], (y - 0.35, 0.7), color=color,
+                       label=None if label in labelled else label)
+        labelled.add(label)
+
+    for y, (_stem, rec) in enumerate(lanes):
+        zero = origin if shared else rec.marks[0].t_ns
+        for start, end, color, label in LANE_SPANS[rec.role]:
+            starts = _marks(rec, start)
             for m in rec.marks:
                 if m.kind == end and (m.exchange, m.stage) in starts:
-                    t0 = (starts[(m.exchange, m.stage)] - zero) / 1e3
-                    ax.broken_barh([(t0, (m.t_ns - starts[(m.exchange, m.stage)]) / 1e3)], (y - 0.35, 0.7),
-                                   color=color, label=None if label in labelled else label)
-                    labelled.add(label)
-    ends = [m for m in record.marks if m.kind == "f2a_recv_end"]
-    starts = [m for m in record.marks if m.kind == "a2f_send_start"]
-    for a, b in zip(ends, starts[1:]):
-        ax.broken_barh([((a.t_ns - origin) / 1e3, (b.t_ns - a.t_ns) / 1e3)], (-0.35, 0.7), color="tab:blue",
-                       label=None if "attention compute" in labelled else "attention compute")
-        labelled.add("attention compute")
-    ax.set_yticks([0, 1], ["attention 0", "FFN 0"])
-    ax.set_xlabel("µs from the step's first mark" + ("" if shared else " (each role on its own clock)"))
+                    bar(y, starts[(m.exchange, m.stage)] - zero, m.t_ns - starts[(m.exchange, m.stage)], color, label)
+        if rec.role == "attention":
+            ends = _marks(rec, "f2a_recv_end")
+            for m in rec.marks:  # the attention's own layer, per stage (StepRecord.attention_compute_ns)
+                if m.kind == "a2f_send_start" and (m.exchange - 1, m.stage) in ends:
+                    t0 = ends[(m.exchange - 1, m.stage)]
+                    bar(y, t0 - zero, m.t_ns - t0, "tab:blue", "attention compute")
+    ax.set_yticks(range(len(lanes)), [stem.replace("-", " ").replace("ffn", "FFN") for stem, _ in lanes])
+    ax.invert_yaxis()
+    ax.set_xlabel("µs from the step's first mark" + ("" if shared else " (each rank on its own clock)"))
     kind = "graph replay" if record.graph_replay else "eager"
-    ax.set_title(f"AFD step {record.step_seq} ({kind}, {record.rows} rows, {record.clock} clock)")
-    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.35), ncol=5, fontsize=8)
+    ax.set_title(f"AFD step {record.step_seq} ({kind}, {record.rows} rows on attention 0, {record.clock} clock)")
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.5 / len(lanes) ** 0.5), ncol=5, fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -160,11 +239,11 @@ def draw(ranks: dict[str, list[StepRecord]], path: Path, *, replay: bool | None 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("directory", type=Path)
-    parser.add_argument("--png", type=Path, help="draw one measured step of attention 0 and FFN 0")
+    parser.add_argument("--png", type=Path, help="draw one measured step, one lane per rank")
     parser.add_argument("--markdown", type=Path, help="also write the table to this file")
     args = parser.parse_args(argv)
     ranks = load(args.directory)
-    text = markdown(breakdown(ranks))
+    text = markdown(breakdown(ranks), ffn_ranks(ranks))
     print(text)
     if args.markdown:
         args.markdown.write_text(text + "\n")
