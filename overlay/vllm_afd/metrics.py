@@ -68,6 +68,7 @@ LABEL_NAMES = ("role", "role_rank", "connector")
 
 HELP = {
     "afd_steps": "AFD steps this rank executed (warm-up, profile and capture steps excluded).",
+    "afd_rows": "Rows this rank sent (attention) or received (FFN) in the steps afd_steps counts, all stages.",
     "afd_layer_round_trip_seconds": "Attention: per layer and stage, send start to FFN output received.",
     "afd_ffn_compute_seconds": "FFN: per layer and stage, all rows received to the first byte sent back.",
     "afd_exposed_transport_seconds": "Attention: time with an exchange in flight, within the layer loop.",
@@ -216,6 +217,7 @@ class AFDMetrics:
         self.role = Role(role)
         self.labels = dict(zip(LABEL_NAMES, (self.role.value, str(role_rank), connector_name)))
         self.steps = 0
+        self.rows = 0
         self.exposed_ns = 0
         self.loop_ns = 0
         self._steps_written = -1
@@ -306,6 +308,7 @@ class AFDMetrics:
         self._last_payload = payload
         if not (payload.is_graph_capturing or payload.is_warmup or payload.is_profile):
             self.steps += 1
+            self.rows += sum(stage.own_rows for stage in self._connector.steps.stages.values())
 
     def _flush(self) -> None:
         connector = self._connector
@@ -370,6 +373,7 @@ class AFDMetrics:
         if steps != self._steps_written:
             self._steps_written = steps
             self._files.write("counter", self._key("afd_steps", "afd_steps_total"), steps)
+            self._files.write("counter", self._key("afd_rows", "afd_rows_total"), self.rows)
 
     def _write_counter(self, metric: str, value: float) -> None:
         self._files.write("counter", self._key(metric, f"{metric}_total"), value)

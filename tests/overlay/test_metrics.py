@@ -57,11 +57,11 @@ def labels(role: str = "attention", rank: int = 0, **extra: str) -> frozenset:
 
 
 class FakeConnector:
-    """The connector surface the metrics read: steps.payload, is_initialized, failure, reforming,
+    """The connector surface the metrics read: steps.payload and .stages, is_initialized, failure, reforming,
     rendezvous_s, reformations."""
 
     def __init__(self) -> None:
-        self.steps = SimpleNamespace(payload=None)
+        self.steps = SimpleNamespace(payload=None, stages={})
         self.is_initialized = False
         self.failure: BaseException | None = None
         self.reforming = False
@@ -116,6 +116,28 @@ def test_steps_count_each_new_executed_payload_once(tmp_path):
     metrics.flush()
 
     assert samples(tmp_path)[("afd_steps_total", labels("ffn", 1))] == 2
+
+
+def test_rows_add_up_every_stage_of_the_counted_steps_per_rank(tmp_path):
+    """An FFN pool's load per FFN rank: rows received per counted step (idle attention ranks send 1 row)."""
+    connectors = {rank: FakeConnector() for rank in (0, 1)}
+    ranks = {rank: AFDMetrics(str(tmp_path), "ffn", rank, CONNECTOR) for rank in (0, 1)}
+    # (payload, {FFN rank: rows per stage}): FFN 0 serves attention ranks 0-1, FFN 1 ranks 2-3.
+    steps = [(ControlPayload({0: (3, 1, 2, 0)}), {0: (4,), 1: (3,)}),
+             (ControlPayload({0: (9, 9, 9, 9)}, is_warmup=True), {0: (18,), 1: (18,)}),
+             (ControlPayload({0: (2, 0, 0, 0), 1: (5, 0, 0, 0)}), {0: (3, 6), 1: (2, 2)})]
+
+    for payload, own_rows in steps:
+        for rank, connector in connectors.items():
+            ranks[rank].watch(connector, thread=False)
+            stages = {stage: SimpleNamespace(own_rows=n) for stage, n in enumerate(own_rows[rank])}
+            connector.steps = SimpleNamespace(payload=payload, stages=stages)
+            ranks[rank].observe_steps([])
+    for metrics in ranks.values():
+        metrics.flush()
+
+    got = samples(tmp_path)
+    assert [got[("afd_rows_total", labels("ffn", rank))] for rank in (0, 1)] == [4 + 3 + 6, 3 + 2 + 2]
 
 
 def brute_force_busy(intervals: list[tuple[int, int]]) -> int:
