@@ -94,7 +94,7 @@ def run_build(args, pin, patches, out: Out) -> int:
         args.wheel = str(path)
     label, epoch = _series.local_label(pin["commit"], patches), _tree.build_epoch(patches)
     built, code = [], 0
-    for flavor in flavors_of(args, patches, widen=False):
+    for flavor in flavors_of(args, pin, patches, widen=False):
         started = time.monotonic()
         wheel = upstream_wheel(args, pin, flavor, out)
         members = wh.read_members(wheel, _series.required_files(patches) + ["vllm/_version.py"])

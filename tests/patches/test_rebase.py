@@ -53,6 +53,16 @@ def test_offsets_and_conflicts_are_tabled_per_hunk(run, tmp_path, tree, series, 
     assert (target / "vllm" / "a.py").read_bytes() == a
 
 
+def test_patch_whose_target_file_was_deleted_says_removed_upstream(run, tmp_path, tree, series, pin):
+    target = release(tmp_path, {"vllm/a.py": (tree / "vllm" / "a.py").read_bytes()})  # no vllm/b.py
+
+    code, out = run("--rebase-report", target, "--patches", series, "--pin", pin)
+
+    assert code == 1 and "| b-add-hook | `vllm/b.py` | 1/1 | 1 | — | — | none | conflict — file is absent |" in out
+    assert f"- `b-add-hook.patch`: `vllm/b.py` removed upstream in tree {target}: re-home or drop" in out
+    assert "`b-add-hook.patch`: failed; refresh the patch" not in out
+
+
 def test_content_already_upstream_is_recognised(run, tmp_path, tree, series, pin):
     a = (tree / "vllm" / "a.py").read_bytes().replace(
         b"def f5():\n    return 5\n",

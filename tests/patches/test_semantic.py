@@ -164,7 +164,68 @@ def test_json_report_has_patches_hunks_findings_and_actions(run, tmp_path, tree,
     assert data["exit"] == 0 and data["pin"]["version"] == "0.30.0" and data["findings"] == []
     assert [p["status"] for p in data["patches"]] == ["applied"]
     assert data["patches"][0]["hunks"][0]["status"] == "clean"
-    assert "note: ordering and seam-context checks skipped" in out  # no --src, no pinned wheel
+    assert "note: ordering, vanished-name and seam-context checks skipped" in out  # no --src, no wheel
+
+
+SENTINEL = b"""from helpers import SET
+
+
+class Sentinel:
+    def __init__(self, worker):
+        self.worker = worker
+        self.setup(worker)
+        backend = worker.backend
+        if backend not in SET:
+            raise ValueError(backend)
+        self.ready = True
+        self.done = True
+        self.ok = True
+
+    def setup(self, worker):
+        self.dp_size = worker.dp
+"""
+SENTINEL_FIXED = SENTINEL.replace(b"        if backend not in SET:\n", (
+    b"        # ### PATCH START: s-fix-dp1\n        if self.dp_size > 1 and backend not in SET:\n"
+    b"        # ### PATCH END: s-fix-dp1\n"))
+
+
+@pytest.mark.parametrize("edit, method", [
+    # the definition moved out of the hunk's context: the hunk places with an offset
+    (lambda s: b"# new header\n" + s.replace(b"self.dp_size = worker.dp", b"self.world = worker.dp"), "offset"),
+    # the definition sat in the hunk's context: the hunk places only with fuzz
+    (lambda s: s.replace(b"        self.setup(worker)\n", b"        self.world = worker.dp\n")
+                .replace(b"        self.dp_size = worker.dp\n", b"        pass\n"), "fuzz"),
+])
+def test_placed_hunk_reading_an_attribute_the_target_no_longer_defines_is_a_finding(
+        run, tmp_path, pin, edit, method):
+    pinned = tree_of(tmp_path / "pinned", {"vllm/s.py": SENTINEL})
+    patches = one_patch(tmp_path, "vllm/s.py", SENTINEL, SENTINEL_FIXED, anchor="vllm/s.py::Sentinel.__init__",
+                        stem="s-fix-dp1")
+    target = tree_of(tmp_path / "new", {"vllm/s.py": edit(SENTINEL)})
+    report = tmp_path / "r.json"
+
+    code, out = run("--rebase-report", target, "--src", pinned, "--patches", patches, "--pin", pin,
+                    "--report", report)
+
+    data = json.loads(report.read_text())
+    assert code == 3 and data["patches"][0]["hunks"][0]["method"] == method
+    assert [(f["kind"], f["patch"], f["path"]) for f in data["findings"]] == [
+        ("vanished-name", "s-fix-dp1.patch", "vllm/s.py")]
+    assert "the placed hunk reads `self.dp_size`; the pinned file defines `dp_size`" in out
+    assert "- `s-fix-dp1.patch`: rewrite the hunk in the new series against tree" in out
+
+
+def test_attribute_still_defined_or_never_defined_in_the_file_is_not_a_finding(run, tmp_path, pin):
+    pinned = tree_of(tmp_path / "pinned", {"vllm/s.py": SENTINEL})
+    # `worker.parallel` is defined by neither file (an attribute of another class): not a finding
+    fixed = SENTINEL_FIXED.replace(b"if self.dp_size > 1", b"if self.dp_size > worker.parallel")
+    patches = one_patch(tmp_path, "vllm/s.py", SENTINEL, fixed, anchor="vllm/s.py::Sentinel.__init__",
+                        stem="s-fix-dp1")
+    target = tree_of(tmp_path / "new", {"vllm/s.py": b"# new header\n" + SENTINEL})
+
+    code, out = run("--rebase-report", target, "--src", pinned, "--patches", patches, "--pin", pin)
+
+    assert code == 3 and "offset +1" in out and "- no findings" in out
 
 
 # --------------------------------------------------------------------------- second pin
@@ -220,3 +281,38 @@ def test_apply_to_takes_the_pin_of_the_trees_own_version(tmp_path, version, pin_
     apply_patches.resolve_pin_and_series(args)
 
     assert (Path(args.pin).name, Path(args.patches).name) == (pin_name, series)
+
+
+# --------------------------------------------------------------------------- CUDA-only pins
+
+
+def test_platforms_key_limits_a_pins_flavors(tmp_path):
+    path = tmp_path / "VLLM_PIN-0.34.0"
+    path.write_text("commit = 62d4bc3c7\nversion = 0.34.0\nplatforms = cuda\n"
+                    "cuda.dist = vllm\ncuda.wheel = w.whl\ncuda.sha256 = 00\n")
+
+    assert _series.pin_flavors(_series.read_pin(path)) == ["cuda"]
+    assert _series.pin_flavors({"commit": "ced6857", "version": "0.30.0"}) == ["cuda", "cpu"]
+
+
+@pytest.mark.parametrize("platforms, missing", [("cuda, rocm", "rocm"), ("cuda,cpu", "cpu.dist")])
+def test_platforms_key_names_known_flavors_with_their_wheels(tmp_path, platforms, missing):
+    path = tmp_path / "VLLM_PIN-0.34.0"
+    path.write_text(f"commit = 62d4bc3c7\nversion = 0.34.0\nplatforms = {platforms}\n"
+                    "cuda.dist = vllm\ncuda.wheel = w.whl\ncuda.sha256 = 00\n")
+
+    with pytest.raises(_series.ConfigError, match=rf"platforms = {platforms}: {missing}"):
+        _series.read_pin(path)
+
+
+def test_cuda_only_pin_refuses_the_cpu_flavor(run):
+    code, out = run("--check", "--vllm", "62d4bc3", "--flavor", "cpu")
+
+    assert code == 2 and "--flavor cpu: vLLM 0.34.0 ships no cpu wheel (its pin's platforms = cuda)" in out
+
+
+def test_repository_third_pin_is_cuda_only_and_drops_the_v1_runner_seams(run):
+    code, out = run("--list", "--vllm", "62d4bc3")
+
+    assert _series.pin_flavors(_series.read_pin(Path(__file__).parents[2] / "VLLM_PIN-0.34.0")) == ["cuda"]
+    assert code == 0 and "v1-runner-" not in out and "mrv2-add-ubatch-vote" in out
