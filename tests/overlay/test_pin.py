@@ -36,8 +36,12 @@ def test_every_release_equals_its_pin_file(release):
     assert (release.commit, release.version) == (values["commit"], values["version"])
 
 
+# Pins whose patch series exists but which the overlay does not support yet (docs/releases.md).
+SERIES_ONLY = {"VLLM_PIN-0.34.0"}
+
+
 def test_every_pin_file_is_a_release():
-    names = sorted(path.name for path in ROOT.glob("VLLM_PIN*"))
+    names = sorted(path.name for path in ROOT.glob("VLLM_PIN*") if path.name not in SERIES_ONLY)
 
     assert names == sorted(release.pin_file for release in releases.RELEASES)
 

