@@ -200,15 +200,6 @@ def check_ffn_data_parallel(vllm_config: VllmConfig, afd: AFDConfig, platform: s
             "capture the MoE collectives of every step shape, which has not run on several GPUs. Pass "
             "--enforce-eager on both roles."
         )
-    if afd.reform_timeout_s > 0:
-        # NOTE: the connector's abort cannot reach a rank blocked in vLLM's MoE collective; later, a rank that
-        # lost its peer could finish the step's collectives on zero rows first ("drain"), then re-form.
-        raise ValueError(
-            f"{where}: reform_timeout_s is {afd.reform_timeout_s:g}; FFN data parallelism cannot re-form yet: "
-            "an FFN DP rank that re-forms after losing its attention peers mid-step strands its DP peers inside "
-            "that layer's MoE collective. Set additional_config[\"afd\"][\"reform_timeout_s\"] to 0 on the FFN "
-            "(a lost attention then ends every FFN DP rank, and you restart both roles)."
-        )
     if platform == "cpu" and CPU_GATHERV_PATCH not in patches:
         raise RuntimeError(
             f"{where} on CPU: the installed vLLM lacks the patch {CPU_GATHERV_PATCH} (its CpuCommunicator "

@@ -3,7 +3,9 @@
 Its only unbounded wait is the next control payload (an idle attention is legal); the
 connector's watchdog turns a lost peer into an error there.  A lost peer or a timed-out step
 goes to the runner's ``reform``: pair again with a returning attention, bounded by
-``reform_timeout_s`` (docs/connection.md#re-forming).  Any other loop error, or a failed
+``reform_timeout_s`` (docs/connection.md#re-forming).  At FFN DP > 1 the FFN DP ranks agree at each
+step's start and end whether all go on or all re-form (ffn/pool.py), so none re-forms while a peer is
+still inside the step's MoE collectives.  Any other loop error, or a failed
 re-formation, is stored, logged, and takes the worker process down after a short grace, so
 the FFN engine dies within seconds instead of serving a dead loop; `stop()` re-raises a
 stored error chained to the cause.
@@ -16,7 +18,7 @@ from typing import Any
 
 from vllm.logger import init_logger
 
-from vllm_afd.wire.errors import AFDPeerLostError, AFDStepTimeoutError
+from vllm_afd.ffn.pool import LOCAL_POOL, REFORMABLE, DPPool, LocalPool
 from vllm_afd.wire.failure import terminate_process
 
 logger = init_logger(__name__)
@@ -25,11 +27,16 @@ THREAD_NAME = "afd-ffn-loop"
 JOIN_TIMEOUT_S = 5.0
 
 
+class _StoppedError(Exception):
+    """The connector was closed (stop()) or the stop event set: the loop ends, no failure."""
+
+
 class FFNLoop:
     """Owns the daemon thread, its stop event and the stored loop error."""
 
-    def __init__(self, runner: Any, *, terminate_on_error: bool = True):
+    def __init__(self, runner: Any, *, terminate_on_error: bool = True, pool: DPPool | LocalPool = LOCAL_POOL):
         self.runner = runner
+        self.pool = pool
         self.terminate_on_error = terminate_on_error
         self.stop_event = threading.Event()
         self.error: BaseException | None = None
@@ -47,18 +54,16 @@ class FFNLoop:
         try:
             self.runner.init_connector()
             while not self.stop_event.is_set():
-                try:
-                    payload = self.runner.next_step()
-                    if payload is None:  # connector closed by stop()
-                        break
-                    self.runner.run_step(payload)
-                except (AFDPeerLostError, AFDStepTimeoutError) as exc:
-                    if self.stop_event.is_set():
-                        raise
-                    self.runner.reform(exc)  # raises when the attention does not return in time
-                    self.num_reformations += 1
+                lost = self._step()
+                if lost is None:
+                    self.num_steps += 1
                     continue
-                self.num_steps += 1
+                if self.stop_event.is_set():
+                    raise lost
+                self.runner.reform(lost)  # raises when the attention does not return in time
+                self.num_reformations += 1
+        except _StoppedError:
+            return
         except BaseException as exc:  # noqa: BLE001 - stored and re-raised by stop()
             if self.stop_event.is_set():
                 return  # closing the connector unblocked a receive: not a failure
@@ -68,6 +73,31 @@ class FFNLoop:
                 # NOTE: the FFN engine comes down (SIGTERM, then a hard exit): vLLM notices the dead worker.
                 self.runner.close_connector()
                 terminate_process(exc)
+
+    def _step(self) -> BaseException | None:
+        """One step; returns the failure every FFN DP rank re-forms after, or None (raises once stopped)."""
+        try:
+            payload = self.runner.next_step()
+        except REFORMABLE as exc:
+            payload, lost = None, exc
+        else:
+            if payload is None:  # connector closed by stop()
+                raise _StoppedError
+            lost = None
+        if self.stop_event.is_set():
+            raise _StoppedError
+        # NOTE: at the start too: a peer that got this step's payload would otherwise wait in the first MoE
+        # collective for a rank that lost its attention before the payload came.
+        lost = self.pool.agree(lost, "step start")
+        if lost is not None:
+            return lost
+        try:
+            self.runner.run_step(payload)  # at FFN DP > 1 a failed exchange finishes the step on zero rows
+        except REFORMABLE as exc:
+            lost = exc
+        if self.stop_event.is_set():
+            raise _StoppedError
+        return self.pool.agree(lost, "step end")
 
     def raise_if_failed(self) -> None:
         if self.error is not None:

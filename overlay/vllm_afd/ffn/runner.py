@@ -23,8 +23,10 @@ from vllm.logger import init_logger
 from vllm_afd.config import AFDConfig
 from vllm_afd.connect import build_connector
 from vllm_afd.ffn.graphs import FFNGraphCache, graph_key, run_mode
+from vllm_afd.ffn.pool import DrainingExchanges, reforms_as_pool
 from vllm_afd.telemetry import Telemetry
 from vllm_afd.validation import graph_mode
+from vllm_afd.wire.devices import bind_thread
 from vllm_afd.wire.errors import AFDProtocolError
 from vllm_afd.wire.messages import ControlPayload, RoutingSpec
 from vllm_afd.wire.placement import Placement
@@ -50,6 +52,9 @@ class AFDFFNModelRunner:
         self.graphs = FFNGraphCache(device) if self.use_cuda_graph else None
         self._missing_graphs: set[tuple] = set()  # keys already warned about
         self.reform_timeout_s = afd_config.reform_timeout_s
+        # FFN DP > 1 with re-forming: a failed exchange finishes the step on zero rows (ffn/pool.py).
+        self.drains_failed_steps = reforms_as_pool(vllm_config.parallel_config.data_parallel_size,
+                                                   afd_config.reform_timeout_s)
         self.connector = build_connector(vllm_config, afd_config, placement, device)
         self.telemetry = Telemetry(afd_config, placement, self.connector)
 
@@ -117,7 +122,9 @@ class AFDFFNModelRunner:
 
     # ---- FFN loop surface -------------------------------------------------------------
     def init_connector(self) -> None:
-        """Rendezvous with the attention ranks (blocks up to rendezvous_timeout_s)."""
+        """On the FFN loop thread: make the rank's GPU current there (wire/devices.py), then rendezvous with the
+        attention ranks (blocks up to rendezvous_timeout_s)."""
+        bind_thread(self.device)
         self.connector.init()
 
     def reform(self, cause: BaseException) -> None:
@@ -183,13 +190,14 @@ class AFDFFNModelRunner:
                   else range(self.num_hidden_layers))
         context = create_forward_context(None, self.vllm_config)
         dp_metadata = self._dp_metadata()
+        exchanges = DrainingExchanges(self.connector) if self.drains_failed_steps else self.connector
         output = None
         with override_forward_context(context):
             for layer_idx in layers:
                 routing = (RoutingSpec(*self.model.get_experts_routing_spec(layer_idx))
                            if self.gate_on_attention else None)
                 for stage in payload.stages:
-                    batch = self.connector.recv_a2f(stage, routing)
+                    batch = exchanges.recv_a2f(stage, routing)
                     # vLLM's fast-MoE cold start pops MoE layer names in call order, and its DP dispatch
                     # reads this stage's rows per FFN DP rank: this context is ours, so point it at both.
                     context.moe_layer_index = self._moe_position.get(layer_idx, 0)
@@ -199,10 +207,10 @@ class AFDFFNModelRunner:
                             batch.hidden_states, layer_idx, batch.router_logits)
                     else:
                         output = self.model.compute_ffn_output(batch.hidden_states, layer_idx)
-                    self.connector.send_f2a(stage, output)
+                    exchanges.send_f2a(stage, output)
             # NOTE: the sends are asynchronous (with k stages a blocking f2a send would idle this FFN until
             # the attention finished its other stages, docs/pingpong.md#5); their buffers are free after this.
-            self.connector.wait_sends()
+            exchanges.wait_sends()
         return output
 
     def _dp_metadata(self) -> dict[int, DPMetadata | None]:

@@ -17,6 +17,7 @@ from vllm.logger import init_logger
 from vllm.v1.worker.worker_base import CompilationTimes
 
 from vllm_afd.ffn.loop import FFNLoop
+from vllm_afd.ffn.pool import make_pool
 
 logger = init_logger(__name__)
 
@@ -64,7 +65,10 @@ class FFNWorkerMixin:
     def start_ffn_loop(self) -> None:
         """Start the FFN loop once; a live loop only re-raises a stored error."""
         if self._ffn_loop is None:
-            self._ffn_loop = FFNLoop(self.model_runner)
+            runner = self.model_runner
+            pool = make_pool(runner.vllm_config.parallel_config, runner.reform_timeout_s,
+                             runner.connector.placement.label)
+            self._ffn_loop = FFNLoop(runner, pool=pool)
             self._ffn_loop.start()
         self._ffn_loop.raise_if_failed()
 
