@@ -1,7 +1,9 @@
 """Rank bodies of the IPC transport's GPU tests (top-level, so ``spawn`` can import them).
 
-Both ranks share cuda:0, as both roles do on one GPU. The data is _scenarios' small integers and
-FFN function, so every result is checked bit for bit against the same arithmetic on CPU.
+Both ranks share cuda:0, as both roles do on one GPU; with ``ffn_gpu=1`` the FFN is on cuda:1, a peer GPU
+of the same node (the IPC handle opened on another device, the copies over NVLink/P2P, the flags in host
+memory). The data is _scenarios' small integers and FFN function, so every result is checked bit for bit
+against the same arithmetic on CPU.
 """
 
 from __future__ import annotations
@@ -22,11 +24,11 @@ MAX_ROWS = 16
 
 
 def ipc_connector(role: str, port: int, *, gate: bool, graph_buffers: bool = False,
-                  peer_timeout_s: float = 2.0) -> AFDConnector:
-    """A 1A1F connector over the registered IPC transport on cuda:0."""
+                  peer_timeout_s: float = 2.0, gpu: int = 0) -> AFDConnector:
+    """A 1A1F connector over the registered IPC transport on cuda:<gpu>."""
     from vllm_afd.connect import TRANSPORTS
 
-    device = torch.device("cuda", 0)
+    device = torch.device("cuda", gpu)
     torch.cuda.set_device(device)
     spec = make_spec(port, name=CONNECTOR, device=device, exchanges_per_stage=len(crossing_layers(gate)),
                      router_logits_width=NUM_EXPERTS if gate else None, use_graph_buffers=graph_buffers,
@@ -48,9 +50,9 @@ def _reference(hidden: torch.Tensor, gate: bool, logits_of: Any) -> torch.Tensor
     return hidden
 
 
-def eager_then_graphs(role: str, port: int, gate: bool, num_replays: int = 3) -> dict[str, Any]:
+def eager_then_graphs(role: str, port: int, gate: bool, num_replays: int = 3, ffn_gpu: int = 0) -> dict[str, Any]:
     """Eager steps of varied rows, then one step captured on each side and replayed with new inputs."""
-    connector = ipc_connector(role, port, gate=gate, graph_buffers=True)
+    connector = ipc_connector(role, port, gate=gate, graph_buffers=True, gpu=ffn_gpu if role == "ffn" else 0)
     device = connector.spec.device
     connector.init()
     layers = crossing_layers(gate)

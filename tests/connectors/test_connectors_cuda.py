@@ -46,3 +46,14 @@ def test_nccl_exchanges_exact_values_between_two_gpus(pool):
     _, attention = expect_ok(pool.run(exchange_on_two_gpus, [("ffn", port), ("attention", port)], timeout_s=180.0))
 
     assert attention["exact"] == [True, True, True]
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs: NCCL refuses two ranks on one")
+def test_nccl_on_cuda_1_from_a_thread_that_never_set_a_device(pool):
+    """As the FFN loop's thread (it starts on cuda:0): every NCCL call must still run on the rank's cuda:1."""
+    port = free_port()
+
+    _, attention = expect_ok(pool.run(exchange_on_two_gpus, [("ffn", port, 3, True), ("attention", port, 3, True)],
+                                      timeout_s=180.0))
+
+    assert attention["exact"] == [True, True, True]

@@ -38,6 +38,18 @@ def test_exact_values_eager_and_in_cuda_graphs_replayed_on_both_sides(pool, gate
     assert attention["replays"] == [True, True, True]
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs of one node")
+def test_exact_values_between_peer_gpus_eager_and_in_cuda_graphs(pool):
+    """The FFN on cuda:1, the attention on cuda:0: each opens a handle made on the other GPU."""
+    port = free_port()
+
+    _, attention = expect_ok(pool.run(eager_then_graphs, [(role, port, True, 3, 1) for role in ("ffn", "attention")],
+                                      timeout_s=240.0))
+
+    assert attention["eager"] == [True, True, True]
+    assert attention["replays"] == [True, True, True]
+
+
 def test_a_peer_killed_mid_step_ends_in_the_sticky_error_within_the_peer_timeout(pool):
     port = free_port()
 

@@ -15,12 +15,13 @@ import ctypes
 import logging
 import os
 import socket
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
 import torch
 
-__all__ = ["COPY", "CudaDriver", "IPC_HANDLE_BYTES", "Op", "WAIT", "WRITE", "mps_running", "warn_without_mps"]
+__all__ = ["COPY", "CudaDriver", "IPC_HANDLE_BYTES", "Op", "WAIT", "WRITE", "mps_running", "peer_access_problem",
+           "warn_without_mps"]
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +57,30 @@ def warn_without_mps(own: int, sharing: list[int]) -> None:
             "processes, so every exchange waits for a context switch (~0.15 ms each way on an H200) and can stall "
             "for a whole time slice (~2 ms). Start the roles under MPS (nvidia-cuda-mps-control -d) or give each "
             "role its own GPU (docs/failures.md#13-one-gpu-two-roles)", own, sharing)
+
+
+def peer_access_problem(own_index: int, peer_gpu: str, visible: list[str],
+                        can_access_peer: Callable[[int, int], bool]) -> str | None:
+    """Why the rank on ``cuda:<own_index>`` cannot write into GPU ``peer_gpu``'s memory, or None.
+
+    ``visible``: the UUIDs of this process's devices by index (CUDA_VISIBLE_DEVICES' order). A handle made
+    on another GPU is opened (cuIpcOpenMemHandle, peer access enabled lazily) only where that GPU is
+    visible here and the two have peer access; the same GPU needs neither.
+    """
+    if not 0 <= own_index < len(visible):
+        return (f"this rank's device cuda:{own_index} is not among this process's {len(visible)} visible GPUs; "
+                "expected vLLM to give each rank a visible device")
+    if peer_gpu == visible[own_index]:
+        return None
+    if peer_gpu not in visible:
+        shown = os.environ.get("CUDA_VISIBLE_DEVICES", "<unset>")
+        return (f"the peer's GPU {peer_gpu} is not visible in this process (CUDA_VISIBLE_DEVICES={shown}); "
+                "list both roles' GPUs in every role's CUDA_VISIBLE_DEVICES, the role's own GPUs first "
+                "(docs/protocol.md#multi-gpu-readiness)")
+    index = visible.index(peer_gpu)
+    if not can_access_peer(own_index, index):
+        return f"GPU {own_index} has no peer access to GPU {index} (no NVLink or PCIe P2P between them)"
+    return None
 
 
 class Op(NamedTuple):
@@ -134,17 +159,8 @@ class CudaDriver:
 
     def peer_problem(self, peer_gpu: str) -> str | None:
         """Why this rank cannot write into memory of the GPU ``peer_gpu`` (a UUID), or None."""
-        if peer_gpu == self.identity()["gpu"]:
-            return None
-        visible = {str(torch.cuda.get_device_properties(i).uuid): i for i in range(torch.cuda.device_count())}
-        index = visible.get(peer_gpu)
-        if index is None:
-            shown = os.environ.get("CUDA_VISIBLE_DEVICES", "<unset>")
-            return (f"the peer's GPU {peer_gpu} is not visible in this process (CUDA_VISIBLE_DEVICES={shown}); "
-                    "list both GPUs in every role's CUDA_VISIBLE_DEVICES, the role's own GPU first")
-        if not torch.cuda.can_device_access_peer(self.device.index, index):
-            return f"GPU {self.device.index} has no peer access to GPU {index} (no NVLink or PCIe P2P between them)"
-        return None
+        visible = [str(torch.cuda.get_device_properties(i).uuid) for i in range(torch.cuda.device_count())]
+        return peer_access_problem(self.device.index, peer_gpu, visible, torch.cuda.can_device_access_peer)
 
     # ---- resources ------------------------------------------------------------------------------
 

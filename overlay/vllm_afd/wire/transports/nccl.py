@@ -5,11 +5,14 @@ bound to the rank's GPU; the control channel is a gloo group on the host, like t
 so publishing and reading a step's payload never waits for the GPU (docs/timeline.md). The
 communicator is made by the caller's ``make_communicator``: the
 vLLM-facing layer passes vLLM's ``PyNcclCommunicator`` (vllm_afd/connect.py), so this package
-imports no vLLM. Receives and control-free ``send``s run on the caller's current
-stream, so they can be captured in CUDA graphs; an ``isend`` runs on the channel's comm stream after
+imports no vLLM. Receives and control-free ``send``s run on the current stream *of the rank's GPU*, so
+they can be captured in CUDA graphs; an ``isend`` runs on the channel's comm stream after
 an event of the current stream, and its handle makes the current stream wait for the send's
 completion event (an NCCL send kernel waits for the receiver: on the compute stream it would hold
-every later receive, docs/pingpong.md#5-ordering-why-the-receives-cannot-deadlock). NCCL refuses
+every later receive, docs/pingpong.md#5-ordering-why-the-receives-cannot-deadlock). Every stream is
+looked up for the transport's device (``RankGpu``), never the calling thread's current device: a thread
+starts on cuda:0, and a rank on cuda:1 whose FFN loop thread asked vLLM's communicator for "the current
+stream" would enqueue its NCCL calls on another GPU's stream (docs/protocol.md#multi-gpu-readiness). NCCL refuses
 two ranks on one GPU, so the ranks'
 GPU UUIDs are compared through the store first and the refusal names the fix. ``abort()`` and
 ``close()`` destroy the communicators (``ncclCommAbort`` on a daemon thread inside vLLM); after that
@@ -40,7 +43,7 @@ from vllm_afd.wire.transport import SendHandle, Transport
 from vllm_afd.wire.transports.gloo import GlooTransport
 
 __all__ = ["DUPLICATE_GPU_MESSAGE", "MakeCommunicator", "NCCL_UNIQUE_ID_BYTES", "NcclSend", "NcclTransport",
-           "exchange_unique_id"]
+           "RankGpu", "exchange_unique_id"]
 
 # (the channel's NCCL unique id, group rank, group size, device) -> a communicator with
 # ``send(tensor, dst)``, ``recv(tensor, src)``, ``destroy()`` and a ``disabled`` flag.
@@ -58,6 +61,36 @@ def gpu_identity(device: torch.device) -> str:
     """``hostname/GPU-UUID`` of ``device``: equal for two ranks exactly when NCCL would refuse them."""
     uuid = torch.cuda.get_device_properties(device).uuid
     return f"{socket.gethostname()}/{uuid}"
+
+
+class RankGpu:
+    """The rank's GPU as the transport uses it: its identity and its streams, always named by device.
+
+    Tests on CPU pass a recording fake with the same methods (tests/wire/test_nccl_transport.py).
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def identity(self) -> str:
+        return gpu_identity(self.device)
+
+    def current_stream(self) -> Any:
+        return torch.cuda.current_stream(self.device)
+
+    def new_stream(self) -> Any:
+        return torch.cuda.Stream(self.device)
+
+    def new_event(self) -> Any:
+        return torch.cuda.Event()
+
+    def use(self, stream: Any) -> Any:
+        """Context manager: ``stream`` (and its device) current on this thread."""
+        return torch.cuda.stream(stream)
+
+    def keep_alive(self, tensor: torch.Tensor, stream: Any) -> None:
+        """The caching allocator must not reuse ``tensor`` before ``stream``'s work read it."""
+        tensor.record_stream(stream)
 
 
 def find_shared_gpu(identities: dict[int, str], own: int) -> int | None:
@@ -104,20 +137,21 @@ def exchange_unique_id(store: Any, rank: int, new_unique_id: Callable[[], bytes]
 
 
 class NcclSend:
-    """A send on a comm stream; ``wait()`` orders the caller's current stream after it (no host wait)."""
+    """A send on a comm stream; ``wait()`` orders the GPU's current stream after it (no host wait)."""
 
-    def __init__(self, done: Any) -> None:
+    def __init__(self, done: Any, gpu: RankGpu) -> None:
         self._done = done
+        self._gpu = gpu
 
     def wait(self) -> None:
-        torch.cuda.current_stream().wait_event(self._done)
+        self._gpu.current_stream().wait_event(self._done)
 
 
 class NcclTransport(Transport):
     """Three NCCL communicators on ``device``; every call runs on the current CUDA stream."""
 
     def __init__(self, device: torch.device, make_communicator: MakeCommunicator,
-                 new_unique_id: Callable[[], bytes]) -> None:
+                 new_unique_id: Callable[[], bytes], *, gpu: Any = None, control: Transport | None = None) -> None:
         if device.type != "cuda":
             raise ValueError(
                 f"P2pNcclAFDConnector: device {device} is not a CUDA device; NCCL moves GPU memory. Use "
@@ -126,7 +160,8 @@ class NcclTransport(Transport):
         self.device = device
         self._make_communicator = make_communicator
         self._new_unique_id = new_unique_id
-        self._control = GlooTransport(torch.device("cpu"), channels=(CONTROL,))
+        self._gpu = gpu if gpu is not None else RankGpu(device)
+        self._control = control if control is not None else GlooTransport(torch.device("cpu"), channels=(CONTROL,))
         self._comms: dict[str, Any] = {}
         self._comm_streams: dict[str, Any] = {}  # channel -> the stream its isends run on
 
@@ -159,7 +194,7 @@ class NcclTransport(Transport):
     def _check_distinct_gpus(self, store: Any, placement: Placement, timeout_s: float) -> None:
         """Fail with the fix instead of NCCL's "invalid usage" when two group members share a GPU."""
         members = set(placement.subgroup_members)  # the control channel is gloo: any GPU will do
-        store.set(f"afd/gpu/{placement.afd_rank}", gpu_identity(self.device))
+        store.set(f"afd/gpu/{placement.afd_rank}", self._gpu.identity())
         keys = {rank: f"afd/gpu/{rank}" for rank in sorted(members)}
         store.wait(list(keys.values()), datetime.timedelta(seconds=timeout_s))
         identities = {rank: _identity(store.get(key), key) for rank, key in keys.items()}
@@ -174,27 +209,28 @@ class NcclTransport(Transport):
         if channel == CONTROL:
             return self._control.send(channel, tensor, dst)
         self._require_gpu(tensor)
-        self._comm(channel).send(tensor, dst)
+        self._comm(channel).send(tensor, dst, stream=self._gpu.current_stream())
 
     def isend(self, channel: str, tensor: torch.Tensor, dst: int) -> SendHandle:
         self._require_gpu(tensor)
         comm = self._comm(channel)
+        gpu = self._gpu
         stream = self._comm_streams.get(channel)
         if stream is None:
-            stream = self._comm_streams[channel] = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream())  # the tensor is written on the compute stream
-        with torch.cuda.stream(stream):
+            stream = self._comm_streams[channel] = gpu.new_stream()
+        stream.wait_stream(gpu.current_stream())  # the tensor is written on the compute stream
+        with gpu.use(stream):
             comm.send(tensor, dst, stream=stream)
-            tensor.record_stream(stream)  # the allocator must not reuse it before the send read it
-            done = torch.cuda.Event()
+            gpu.keep_alive(tensor, stream)
+            done = gpu.new_event()
             done.record(stream)
-        return NcclSend(done)
+        return NcclSend(done, gpu)
 
     def recv(self, channel: str, tensor: torch.Tensor, src: int) -> None:
         if channel == CONTROL:
             return self._control.recv(channel, tensor, src)
         self._require_gpu(tensor)
-        self._comm(channel).recv(tensor, src)
+        self._comm(channel).recv(tensor, src, stream=self._gpu.current_stream())
 
     def abort(self) -> None:
         # NOTE: destroy() runs ncclCommAbort on its own daemon thread and joins it for at most 5 s.
