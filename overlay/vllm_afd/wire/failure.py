@@ -13,7 +13,7 @@ import threading
 import time
 from collections.abc import Callable
 
-__all__ = ["ABORT_JOIN_S", "TERMINATE_GRACE_S", "FailureLatch", "terminate_process"]
+__all__ = ["ABORT_JOIN_S", "NOTIFY_JOIN_S", "TERMINATE_GRACE_S", "FailureLatch", "terminate_process"]
 
 logger = logging.getLogger(__name__)
 
@@ -22,6 +22,9 @@ logger = logging.getLogger(__name__)
 TERMINATE_GRACE_S = 2.0
 # Bound on waiting for the channel abort (NCCL abort can block while graphs hold the communicator).
 ABORT_JOIN_S = 5.0
+# Bound on the failure callback (the outage notice, a file write): a stuck file system delays the abort and
+# the termination fallback this long at most.
+NOTIFY_JOIN_S = 2.0
 
 
 def terminate_process(cause: BaseException) -> None:
@@ -79,10 +82,7 @@ class FailureLatch:
         if first:
             logger.error("AFD connector failed: %s", exc)
             if self._on_failure is not None:
-                try:
-                    self._on_failure(exc)
-                except Exception:  # noqa: BLE001 - the failure is recorded; the notice is best effort
-                    logger.exception("AFD: the failure callback raised")
+                self._notify(exc)
             self._handler = threading.Thread(target=self._handle, name="afd-failure", daemon=True)
             self._handler.start()
         return self._failure if self._failure is not None else exc
@@ -105,6 +105,25 @@ class FailureLatch:
         handler = self._handler
         if handler is not None:
             handler.join(timeout_s)
+
+    def _notify(self, exc: BaseException) -> None:
+        """The failure callback, waited for NOTIFY_JOIN_S at most (it runs before the abort, so a notice is in
+        place before anyone sees the failure; a callback that hangs must not keep the abort from running)."""
+        on_failure = self._on_failure
+        assert on_failure is not None
+
+        def run() -> None:
+            try:
+                on_failure(exc)
+            except Exception:  # noqa: BLE001 - the failure is recorded; the notice is best effort
+                logger.exception("AFD: the failure callback raised")
+
+        notifier = threading.Thread(target=run, name="afd-notify", daemon=True)
+        notifier.start()
+        notifier.join(NOTIFY_JOIN_S)
+        if notifier.is_alive():
+            logger.error("AFD: the failure callback did not return within %.0fs; aborting the channels anyway",
+                         NOTIFY_JOIN_S)
 
     def _handle(self) -> None:
         failed_at = time.monotonic()

@@ -15,7 +15,8 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-from vllm_afd.wire.errors import AFDConfigMismatchError, AFDLayoutError, AFDProtocolError, AFDRendezvousTimeout
+from vllm_afd.wire.errors import (AFDConfigMismatchError, AFDLayoutError, AFDPeerLostError, AFDProtocolError,
+                                  AFDRendezvousTimeout)
 from vllm_afd.role import Role
 
 if TYPE_CHECKING:
@@ -27,6 +28,8 @@ logger = logging.getLogger(__name__)
 
 # The least time one attempt gets, so a deadline reached mid-loop still makes one last attempt.
 MIN_ATTEMPT_S = 0.1
+# Pause before the next attempt after the store was lost mid-attempt (no busy loop against a dead host).
+RETRY_PAUSE_S = 0.5
 
 
 def reform_within(connector: AFDConnector, timeout_s: float, cause: BaseException, *, peer: str,
@@ -52,6 +55,9 @@ def reform_within(connector: AFDConnector, timeout_s: float, cause: BaseExceptio
             logger.error("AFD %s: refused a returning %s: %s; still waiting", label, peer.removeprefix("the "), exc)
         except AFDRendezvousTimeout as exc:
             raise _gave_up(label, peer, timeout_s, cause, refused, then) from exc
+        except AFDPeerLostError as exc:  # the store vanished or froze mid-attempt (a re-forming or stopped host)
+            logger.warning("AFD %s: lost the store while pairing again (%s); still waiting", label, exc)
+            time.sleep(min(RETRY_PAUSE_S, max(deadline - time.monotonic(), 0.0)))
         if time.monotonic() >= deadline:
             raise _gave_up(label, peer, timeout_s, cause, refused, then) from refused
     took = time.monotonic() - started

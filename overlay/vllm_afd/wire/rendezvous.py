@@ -27,8 +27,8 @@ from vllm_afd.wire.handshake import Fingerprint, compare_fingerprints
 from vllm_afd.wire.placement import Placement
 from vllm_afd.wire.refusal import (REFUSAL_BACKOFF_S, REFUSED_KEY, last_refusal, leave_refused_store,
                                    peer_refused_error, refusal_text)
-from vllm_afd.wire.store import (POLL_INTERVAL_S, STALE_CLAIM_POLL_S, connect_client, host_store, rank_key,
-                                 store_lost_error)
+from vllm_afd.wire.store import (POLL_INTERVAL_S, STALE_CLAIM_POLL_S, call_within, connect_client, host_store,
+                                 rank_key, store_frozen_error, store_lost_error)
 
 __all__ = ["Rendezvous", "RendezvousSpec"]
 
@@ -60,6 +60,9 @@ class RendezvousSpec:
     stale_claim_s: float = 0.0
     # FFN rank 0: how long to retry binding a port still held by its previous store (a re-formation).
     rebind_s: float = 0.0
+    # Bound on each store call (the connector passes peer_timeout_s): one that does not return is a stopped,
+    # stuck or cut-off store host, ``AFDPeerLostError`` (wire/store.py call_within).
+    call_timeout_s: float = 30.0
 
     @property
     def role(self) -> str:
@@ -104,11 +107,15 @@ class Rendezvous:
         cancelled: Callable[[], bool] = lambda: False,
         log_interval_s: float = WAIT_LOG_INTERVAL_S,
         sleep: Callable[[float], None] = time.sleep,
+        failed: Callable[[], None] = lambda: None,
     ) -> None:
         self.spec = spec
         self._clock = clock
         self._sleep = sleep
         self._cancelled = cancelled
+        # Raises a failure the watchdog recorded while this rank waits (its heartbeat runs from the claim on): a
+        # peer lost mid-rendezvous ends the wait at once instead of the termination fallback.
+        self._failed = failed
         self._log_interval_s = log_interval_s
         self.deadline = clock() + spec.timeout_s
         self._next_log = self.deadline - spec.timeout_s + log_interval_s
@@ -175,7 +182,7 @@ class Rendezvous:
                     self.spec.address, give_up - self._clock())
         while self._clock() < give_up:
             try:
-                self.store.check([self._own_key("claim")])
+                self._bounded(lambda: self.store.check([self._own_key("claim")]), "claim check")
             except DistNetworkError:  # FFN rank 0 dropped the old store: re-forming
                 self.store = None
                 return False
@@ -246,10 +253,11 @@ class Rendezvous:
         if self.store is None or not self._claimed or self.spec.is_store_host:
             return
         self._claimed = False
+        store, key = self.store, self._own_key("claim")
         try:
-            self.store.set_timeout(datetime.timedelta(seconds=1.0))
-            self.store.delete_key(self._own_key("claim"))
-        except RuntimeError:  # DistStoreError, DistNetworkError: the store is gone or stuck: nothing left to withdraw
+            store.set_timeout(datetime.timedelta(seconds=1.0))
+            self._bounded(lambda: store.delete_key(key), "claim withdrawal")
+        except RuntimeError:  # DistStoreError, DistNetworkError, AFDPeerLostError: the store is gone or stuck
             pass
 
     def wait_for_channels(self) -> None:
@@ -278,6 +286,7 @@ class Rendezvous:
                 return  # NOTE: before a relayed refusal, so a rank with every value finds its own reason
             if refusals and self._store_call(lambda: self.store.check([REFUSED_KEY])):
                 raise peer_refused_error(self.spec.label)
+            self._failed()
             self._check_cancelled()
             self._check_deadline(stage)
             if log_stage is not None and self._clock() >= self._next_log:
@@ -347,13 +356,24 @@ class Rendezvous:
         return rank_key(kind, self.spec.role, self.spec.role_rank)
 
     def _store_call(self, call: Callable[[], Any]) -> Any:
-        """Run one store operation; a broken connection means FFN rank 0 (the host) is gone."""
+        """Run one store operation within ``call_timeout_s``; a broken connection means FFN rank 0 (the host)
+        is gone, a call that does not return that it is stopped or cut off (``AFDPeerLostError`` both)."""
         from torch.distributed import DistNetworkError
 
         try:
-            return call()
+            return self._bounded(call, "store call")
         except DistNetworkError as exc:
             raise store_lost_error(self.spec.address, self.spec.role, self.spec.role_rank, exc) from exc
+
+    def _bounded(self, call: Callable[[], Any], what: str) -> Any:
+        """``call()`` within ``call_timeout_s``; past it the store is lost: never called again, no claim withdrawn."""
+        spec = self.spec
+
+        def expired() -> BaseException:
+            self._claimed = False  # NOTE: leave() must not call a store that stopped answering
+            return store_frozen_error(spec.address, spec.label, what, spec.call_timeout_s)
+
+        return call_within(call, spec.call_timeout_s, expired)
 
 
 def _format_ranks(ranks: dict[Role, Iterable[int]], *, skip_empty: bool) -> str:

@@ -2,7 +2,9 @@
 
 ``Rendezvous`` (wire/rendezvous.py) owns the deadline and calls these with what is left of it. Every rank's
 records are keys ``rank_key`` names; the store's loss is one error for every rank that talks through it
-(``store_lost_error``). torch.distributed is
+(``store_lost_error``), and so is a store call that does not return within its bound (``call_within``:
+torch's store client ignores its own timeout once connected to a host that stopped answering, measured on
+torch 2.13: an ``add`` to a SIGSTOPped host with a 2 s timeout blocked until SIGCONT). torch.distributed is
 imported lazily, at the first store operation.
 """
 
@@ -11,13 +13,15 @@ from __future__ import annotations
 import datetime
 import errno
 import socket
+import threading
 from collections.abc import Callable
 from typing import Any
 
 from vllm_afd.role import Role
 from vllm_afd.wire.errors import AFDPeerLostError
 
-__all__ = ["KEY_PREFIX", "connect_client", "host_store", "knock", "rank_key", "store_lost_error", "store_timeout"]
+__all__ = ["KEY_PREFIX", "call_within", "connect_client", "host_store", "knock", "rank_key", "store_frozen_error",
+           "store_lost_error", "store_timeout"]
 
 KEY_PREFIX = "afd"
 # Poll period while waiting for other ranks' keys; short against a start-up of seconds.
@@ -42,6 +46,43 @@ def store_lost_error(address: str, role: str, role_rank: int, exc: BaseException
         "FFN rank 0's log and restart it: the other ranks pair with it again once it is back (an attention "
         "with CUDA graphs is restarted too; docs/operations.md)"
     )
+
+
+def store_frozen_error(address: str, label: str, what: str, bound_s: float) -> AFDPeerLostError:
+    """A store call that did not return within its bound: FFN rank 0 is stopped, stuck or cut off."""
+    return AFDPeerLostError(
+        f"AFD peer lost: the rendezvous store at {address} (hosted by ffn rank 0) did not answer {label}'s "
+        f"{what} within {bound_s:g}s (peer_timeout_s); ffn rank 0's process is stopped or stuck, or the network "
+        "to its host is cut. Check ffn rank 0's log and process state; restart it if it does not recover "
+        "(docs/operations.md)"
+    )
+
+
+def call_within(call: Callable[[], Any], bound_s: float, expired: Callable[[], BaseException]) -> Any:
+    """``call()`` on a daemon thread; its result or its exception, or ``expired()`` raised once ``bound_s``
+    passed without an answer.
+
+    The bound from outside, because torch's client does not time out a call to a stopped host.  A call that
+    expired keeps its thread until the store answers or its connection closes; the caller must treat the store
+    as lost and never call it again (a late answer would be read by the next call).
+    """
+    outcome: list[tuple[bool, Any]] = []
+
+    def run() -> None:
+        try:
+            outcome.append((True, call()))
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
+            outcome.append((False, exc))
+
+    worker = threading.Thread(target=run, name="afd-store-call", daemon=True)
+    worker.start()
+    worker.join(bound_s)
+    if not outcome:
+        raise expired()
+    ok, value = outcome[0]
+    if ok:
+        return value
+    raise value
 
 
 def store_timeout(remaining_s: float) -> datetime.timedelta:
