@@ -10,6 +10,9 @@ from tests.attention._stage_oracles import StageRange, plan_stages, split_tokens
 from vllm_afd.attention.stages import stage_sizes, stages_for_step
 from vllm_afd.attention.step import stage_counts
 from vllm_afd.config import NUM_STAGES
+from vllm_afd.wire.placement import Placement
+from vllm_afd.wire.steps import StepState
+from vllm_afd.wire.topology import attention_block
 
 
 @st.composite
@@ -118,6 +121,30 @@ def test_stage_counts_publish_each_stage_for_every_dp_rank(step, num_dp_ranks):
     assert list(published) == list(range(num_stages))
     assert all(len(set(per_dp)) == 1 and len(per_dp) == num_dp_ranks for per_dp in published.values())
     assert sum(per_dp[0] for per_dp in published.values()) == padded
+
+
+@given(steps(), st.integers(2, 5).flatmap(lambda a: st.tuples(st.just(a), st.integers(2, a))))
+@example(([3, 3], 6, 2), (3, 2))  # 3A2F: FFN 0 serves attention 0-1, FFN 1 serves attention 2; stages 3 + 3
+def test_a_split_step_gives_every_ffn_dp_rank_the_same_counts_per_stage(step, layout):
+    """Attention DP A (TP 1) split a step; each attention rank publishes it and each FFN rank of an FFN DP pool
+    (TP 1) adopts its control sender's payload: per stage, all FFN DP ranks size vLLM's MoE collectives by the
+    same counts, each entry the rows its block sends in that stage (docs/topology.md#row-counts)."""
+    counts, padded, num_stages = step
+    num_attention, num_ffn = layout
+    stage_rows = [r.num_tokens for r in split_tokens(counts, padded, num_stages)]
+
+    payloads = [StepState(Placement("attention", j, num_attention, num_ffn, num_attention, 1), 1, "test")
+                .new_payload(stage_counts(stage_rows, num_attention)) for j in range(num_attention)]
+    pool = [StepState(Placement("ffn", k, num_attention, num_ffn, num_ffn, 1), 1, "test") for k in range(num_ffn)]
+    for k, ffn in enumerate(pool):
+        ffn.adopt(payloads[k])  # attention k sends FFN k its control payload
+
+    assert all(p.counts == payloads[0].counts for p in payloads)
+    blocks = [len(attention_block(k, num_attention, num_ffn)) for k in range(num_ffn)]
+    for stage, per_rank in enumerate(stage_rows):
+        assert [ffn.stage(stage).dp_counts for ffn in pool] == [tuple(per_rank * n for n in blocks)] * num_ffn
+        assert [ffn.stage(stage).own_rows for ffn in pool] == [per_rank * n for n in blocks]
+    assert [sum(ffn.stage(s).own_rows for s in range(num_stages)) for ffn in pool] == [padded * n for n in blocks]
 
 
 @pytest.fixture(scope="module")
