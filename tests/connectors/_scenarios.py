@@ -16,7 +16,7 @@ from tests.connectors._harness import HIDDEN_SIZE, NUM_EXPERTS, make_connector, 
 
 from vllm_afd.wire.attention_end import AttentionConnector
 from vllm_afd.wire.ffn_end import FFNConnector
-from vllm_afd.wire.messages import RoutingSpec
+from vllm_afd.wire.messages import RoutingSpec, control_header
 from vllm_afd.wire.placement import CONTROL
 
 LAYER_KINDS = "DMMM"
@@ -299,7 +299,8 @@ def garbage_payload(role: str, rank: int, port: int) -> dict[str, Any]:
     try:
         if role == "attention":
             body = torch.frombuffer(bytearray(b"\x80not json"), dtype=torch.uint8)
-            connector.transport.send(CONTROL, torch.tensor([body.numel()], dtype=torch.int64), 0)
+            header = control_header(body.numpy().tobytes())  # a well-framed body that is not a payload
+            connector.transport.send(CONTROL, torch.tensor(header, dtype=torch.int64), 0)
             connector.transport.send(CONTROL, body, 0)
             return {}
         try:

@@ -79,7 +79,8 @@ def test_undecodable_control_bytes_are_a_protocol_error_on_the_ffn(pool):
 
     ffn, _ = expect_ok(pool.run(garbage_payload, [("ffn", 0, port), ("attention", 0, port)], 60.0))
 
-    assert ffn["error"].startswith("AFDProtocolError: AFD control payload is undecodable")
+    assert ffn["error"].startswith("AFDPeerProtocolError: P2pGlooAFDConnector: from attention rank 0: AFD control "
+                                   "payload is undecodable")
 
 
 # ---- failures that kill a worker (kept last: each dead worker is respawned, ~10 s) ----

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
+import zlib
 
 import pytest
 import torch
@@ -25,7 +26,7 @@ from tests.connectors._harness import (
 )
 
 from vllm_afd.wire.attention_end import AttentionConnector
-from vllm_afd.wire.errors import AFDPeerLostError, AFDProtocolError, AFDRendezvousTimeout
+from vllm_afd.wire.errors import AFDPeerLostError, AFDPeerProtocolError, AFDProtocolError, AFDRendezvousTimeout
 from vllm_afd.wire.ffn_end import MAX_CONTROL_BYTES, FFNConnector
 from vllm_afd.wire.messages import ControlPayload, RoutingSpec
 from vllm_afd.wire.placement import CONTROL
@@ -211,13 +212,13 @@ def test_result_goes_to_a_new_tensor_when_out_does_not_fit(deploy):
     assert torch.equal(result, hidden * 2)
 
 
-def test_the_payload_crosses_as_an_int64_length_then_its_bytes(deploy):
+def test_the_payload_crosses_as_an_int64_length_and_crc_then_its_bytes(deploy):
     wire, (ffn, attention) = deploy()
 
     published = attention.publish({0: [5]}, is_warmup=True)
 
-    length, body = wire[(CONTROL, 1, 0)]
-    assert length.dtype == torch.int64 and length.tolist() == [body.numel()]
+    header, body = wire[(CONTROL, 1, 0)]
+    assert header.dtype == torch.int64 and header.tolist() == [body.numel(), zlib.crc32(body.numpy().tobytes())]
     assert body.dtype == torch.uint8 and ControlPayload.decode(body.numpy().tobytes()) == published
     assert ffn.next_step() == published and published.is_warmup and published.step_seq == 0
 
@@ -233,8 +234,9 @@ def test_only_attention_ranks_below_f_transmit_but_every_rank_adopts(deploy):
     assert ffn.steps.stage(0).peer_rows == (3, 1)
 
 
-def send_control(attention, length, body):
-    attention.transport.send(CONTROL, torch.tensor([length], dtype=torch.int64), 0)
+def send_control(attention, length, body, crc=None):
+    crc = zlib.crc32(body or b"") if crc is None else crc
+    attention.transport.send(CONTROL, torch.tensor([length, crc], dtype=torch.int64), 0)
     if body is not None:
         attention.transport.send(CONTROL, torch.frombuffer(bytearray(body), dtype=torch.uint8), 0)
 
@@ -244,8 +246,8 @@ def test_a_control_length_out_of_range_is_a_protocol_error(deploy, length):
     _, (ffn, attention) = deploy()
     send_control(attention, length, None)
 
-    with pytest.raises(AFDProtocolError, match=f"control payload length {length} from attention rank 0 is not in "
-                                               f"1..{MAX_CONTROL_BYTES}"):
+    with pytest.raises(AFDPeerProtocolError, match=f"from attention rank 0: control payload length {length} is not in "
+                                                   f"1..{MAX_CONTROL_BYTES}"):
         ffn.next_step()
 
 

@@ -58,7 +58,7 @@ def test_for_rank_fills_role_and_rank_facts_from_the_placement():
     fingerprint = Fingerprint.for_rank(placement, connector="P2pNcclAFDConnector", compute_gate_on_attention=True,
                                        device="cpu", **MODEL_FACTS)
 
-    assert fingerprint.protocol_version == PROTOCOL_VERSION == 4
+    assert fingerprint.protocol_version == PROTOCOL_VERSION == 5
     assert (fingerprint.role, fingerprint.role_rank, fingerprint.label) == ("ffn", 1, "ffn rank 1")
     assert (fingerprint.num_attention_ranks, fingerprint.num_ffn_ranks) == (4, 2)
     assert (fingerprint.dp_size, fingerprint.tp_size) == (2, 1)
@@ -114,7 +114,7 @@ _OTHER_VALUES = {
     "architecture": "DeepseekV2ForCausalLM", "hidden_size": 1024, "num_hidden_layers": 3, "dtype": "float16",
     "layer_kinds": "DDMM", "num_routed_experts": 16, "connector": "P2pGlooAFDConnector",
     "num_attention_ranks": 2, "num_ffn_ranks": 2, "compute_gate_on_attention": True, "num_stages": 2,
-    "graph_mode": "FULL_DECODE_ONLY", "config_digest": "sha256:c1c1c1c1c1c1c1c1",
+    "integrity": True, "graph_mode": "FULL_DECODE_ONLY", "config_digest": "sha256:c1c1c1c1c1c1c1c1",
     "weights_digest": "sha256:fedcba9876543210",
 }
 
@@ -184,7 +184,7 @@ def test_layout_is_not_checked_without_the_other_role():
     compare_fingerprints(prints[0], prints)
 
 
-@pytest.mark.parametrize("version", [1, 2, 3, 5])
+@pytest.mark.parametrize("version", [1, 2, 3, 4, 6])
 def test_peer_of_another_protocol_version_is_a_mismatch_even_if_unreadable(version):
     body = json.loads(fingerprints()[0].to_json())
     body.update(protocol_version=version, hidden_size=None)
@@ -194,7 +194,7 @@ def test_peer_of_another_protocol_version_is_a_mismatch_even_if_unreadable(versi
         Fingerprint.from_json(json.dumps(body))
 
     assert str(info.value) == (
-        f"AFD configuration mismatch between this rank and ffn rank 0: protocol_version (local=4, peer={version}). "
+        f"AFD configuration mismatch between this rank and ffn rank 0: protocol_version (local=5, peer={version}). "
         "Run the same vllm_afd version on every rank"
     )
 
@@ -206,7 +206,7 @@ def test_a_readable_peer_of_protocol_1_fails_the_comparison_on_both_sides():
 
     for local, peer in ((attention, old), (old, attention)):
         with pytest.raises(AFDConfigMismatchError,
-                           match=r"protocol_version \((attention=4, ffn=1|ffn=1, attention=4)\)"):
+                           match=r"protocol_version \((attention=5, ffn=1|ffn=1, attention=5)\)"):
             compare_fingerprints(local, [peer])
 
 
@@ -325,3 +325,23 @@ def test_callers_without_a_model_publish_unknown_digests():
 
     assert fingerprint.weights_digest.startswith("unknown") and fingerprint.config_digest.startswith("unknown")
     assert Fingerprint.from_json(fingerprint.to_json()) == fingerprint
+
+
+def test_max_rows_is_compared_within_a_role_only():
+    """The attention's max_rows bounds what it publishes; an FFN launched with another max_num_batched_tokens
+    still pairs, two attention ranks that disagree do not."""
+    prints = by_label(fingerprints((2, 1), (1, 1), overrides={("ffn", 0): {"max_rows": 64},
+                                                               ("attention", 1): {"max_rows": 4096}}))
+    compare_fingerprints(prints["ffn rank 0"], [prints["attention rank 0"]])
+
+    with pytest.raises(AFDConfigMismatchError, match=r"max_rows \(attention rank 0=1048576, attention rank 1=4096\)"):
+        compare_fingerprints(prints["attention rank 0"], [prints["attention rank 1"]])
+
+
+@pytest.mark.parametrize("max_rows", [0, -1, (1 << 20) + 1])
+def test_a_max_rows_outside_its_bounds_is_refused(max_rows):
+    body = json.loads(fingerprints()[0].to_json())
+    body["max_rows"] = max_rows
+
+    with pytest.raises(AFDProtocolError, match="max_rows must be in 1..1048576"):
+        Fingerprint.from_json(json.dumps(body))

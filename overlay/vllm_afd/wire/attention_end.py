@@ -1,10 +1,12 @@
 """``AttentionConnector``: the attention's end of the AFD wire (the shared link: connector.py).
 
 Per step the attention ``publish``es the control payload: every attention rank adopts it, ranks < F
-also send it to FFN rank k (an int64 length, then the bytes; docs/protocol.md#control-payload). Per
-(layer, stage) it issues its rows with ``send_a2f`` (hidden states, then router logits with the gate
-on attention) without blocking, and ``recv_f2a`` waits that stage's send, then receives the FFN output
-into the tensor just sent. An exchange that fails inside a step is deferred to the step gate
+also send it to FFN rank k (an int64 header [length, CRC-32], then the bytes;
+docs/protocol.md#control-payload), after checking every count against this rank's ``max_rows`` (the
+FFN checks them again). Per (layer, stage) it issues its rows with ``send_a2f`` (hidden states, then
+router logits with the gate on attention, then their seal in integrity mode, wire/integrity.py)
+without blocking, and ``recv_f2a`` waits that stage's send, then receives the FFN output into the
+tensor just sent. An exchange that fails inside a step is deferred to the step gate
 (``defer_failure`` / ``take_step_failure``, attention/step_gate.py); ``mark_startup_done`` arms the
 step timeouts once profile, warm-up and capture are over.
 """
@@ -18,7 +20,7 @@ import torch
 
 from vllm_afd.wire.connector import AFDConnector
 from vllm_afd.wire.errors import AFDPeerLostError
-from vllm_afd.wire.messages import ControlPayload
+from vllm_afd.wire.messages import ControlPayload, control_header
 from vllm_afd.wire.placement import A2F, CONTROL, F2A
 from vllm_afd.wire.timeline import A2F_SEND_END, A2F_SEND_START, F2A_RECV_END
 from vllm_afd.wire.transport import SendHandle
@@ -76,16 +78,30 @@ class AttentionConnector(AFDConnector):
         """Open the step with each stage's tokens per attention DP rank; ranks < F transmit it."""
         self._require_ready("publish")
         payload = self.steps.new_payload(counts_dp, **flags)
+        self._check_rows(payload)
         self._adopt(payload)
         p = self.placement
         if p.control_rank is not None:
             body = payload.encode()
-            length = torch.tensor([len(body)], dtype=torch.int64)
+            header = torch.tensor(control_header(body), dtype=torch.int64)
             data = torch.frombuffer(bytearray(body), dtype=torch.uint8)
             dst = p.role_rank  # control group ranks are AFD ranks: FFN k is k
-            self._call("control send to ffn rank", p.role_rank, self.transport.send, CONTROL, length, dst)
+            self._call("control send to ffn rank", p.role_rank, self.transport.send, CONTROL, header, dst)
             self._call("control send to ffn rank", p.role_rank, self.transport.send, CONTROL, data, dst)
         return payload
+
+    def _check_rows(self, payload: ControlPayload) -> None:
+        """Every published count within this rank's ``max_rows``, the bound the FFN enforces (ValueError)."""
+        bound = self.spec.max_rows
+        if bound is None:
+            return
+        for stage, counts in payload.counts.items():
+            if max(counts) > bound:
+                raise ValueError(
+                    f"{self.spec.name}: stage {stage} publishes {max(counts)} rows (counts {list(counts)}); the most "
+                    f"one exchange carries is max_rows={bound} (max_num_batched_tokens or the largest captured graph). "
+                    "Publish the step's padded rows, never more"
+                )
 
     # ---- data plane -----------------------------------------------------------------------------
 
@@ -124,6 +140,9 @@ class AttentionConnector(AFDConnector):
         if router_logits is not None:
             pending.append(self._call(label, p.subgroup, self.transport.isend, A2F, router_logits.contiguous(), 0,
                                       timed=False))
+        group = (hidden,) if router_logits is None else (hidden, router_logits)
+        for seal in self.integrity.seals(self.steps.payload.step_seq, position, stage, group):
+            pending.append(self._call(label, p.subgroup, self.transport.isend, A2F, seal, 0, timed=False))
         self._mark(A2F_SEND_END, position)
         self.steps.num_sends += 1
 
@@ -143,7 +162,9 @@ class AttentionConnector(AFDConnector):
         target = out if fits else torch.empty(shape, dtype=s.dtype, device=s.device)
         # NOTE: the result lands in the tensor just sent, so that send must be complete first.
         self._wait_sends(self._pending_a2f.pop(stage, []), "a2f send to ffn rank", self.placement.subgroup)
-        self._call("f2a receive from ffn rank", self.placement.subgroup, self.transport.recv, F2A, target, 0)
+        label, peer = "f2a receive from ffn rank", self.placement.subgroup
+        self._call(label, peer, self.transport.recv, F2A, target, 0)
+        self._check_seal(F2A, 0, (target,), stage, label, peer)
         self._mark(F2A_RECV_END)
         self._count_exchange()
         return target

@@ -22,8 +22,9 @@ from collections.abc import Callable
 from typing import Any
 
 from vllm_afd.wire.auth import Secret, warn_unauthenticated_once
-from vllm_afd.wire.errors import AFDAuthenticationError, AFDPeerLostError
+from vllm_afd.wire.errors import AFDAuthenticationError, AFDPeerLostError, AFDPeerProtocolError
 from vllm_afd.wire.handshake import Fingerprint
+from vllm_afd.wire.integrity import make_integrity
 from vllm_afd.wire.messages import ControlPayload
 from vllm_afd.wire.placement import Placement
 from vllm_afd.wire.rendezvous import Rendezvous, RendezvousSpec
@@ -95,6 +96,7 @@ class AFDConnector:
     def _new_pairing(self) -> None:
         """Start what belongs to one pairing afresh (construction, reform()); each end adds its own."""
         self.steps = StepState(self.placement, self.spec.exchanges_per_stage, self.spec.name)
+        self.integrity = make_integrity(self.spec.integrity, self.spec.name, self.spec.device)
         self.fingerprints: dict[tuple[str, int], Fingerprint] = {}
         self._transport_syncs = 0  # transport.host_syncs already counted into the timeline
         # Seconds init() took from its start to ready channels (rendezvous, handshake, channels).
@@ -270,6 +272,7 @@ class AFDConnector:
     def _adopt(self, payload: ControlPayload) -> None:
         """Make ``payload`` this rank's step: rows per stage, the timeline's step, the watchdog's step."""
         self.steps.adopt(payload)
+        self.integrity.start_step()
         self.timeline.open_step(payload, sum(stage.own_rows for stage in self.steps.stages.values()))
         watchdog = self._watchdog
         # NOTE: a FULL-graph replay runs its exchanges inside the graph: no step to count or time.
@@ -302,6 +305,20 @@ class AFDConnector:
     def _mark(self, kind: str, position: int | None = None) -> None:
         """Stamp the timeline at exchange ``position`` (default: the exchanges finished in this step)."""
         self.timeline.mark(kind, self.steps.num_exchanges if position is None else position)
+
+    def _check_seal(self, channel: str, src: int, tensors: tuple[Any, ...], stage: int, label: str, peer: int) -> None:
+        """Integrity mode: receive the seal that follows ``tensors`` on ``channel`` from group rank ``src`` and
+        check it; a bad one is the sticky failure (a lost peer). Off: nothing."""
+        received = self.integrity.blanks()
+        if not received:
+            return
+        for seal in received:
+            self._call(label, peer, self.transport.recv, channel, seal, src)
+        exchange = self.integrity.next_position(f"recv {channel} {peer}")
+        try:
+            self.integrity.check(received, self.steps.payload.step_seq, exchange, stage, tensors, f"{label} {peer}")
+        except AFDPeerProtocolError as exc:
+            raise self._latch.fail(exc, observed=True) from None
 
     def _wait_sends(self, handles: list[SendHandle], label: str, peer: int) -> None:
         """Wait for issued sends, timed as transfers (the peer must post its receives)."""

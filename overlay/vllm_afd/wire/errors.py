@@ -18,6 +18,7 @@ __all__ = [
     "AFDError",
     "AFDLayoutError",
     "AFDPeerLostError",
+    "AFDPeerProtocolError",
     "AFDProtocolError",
     "AFDRendezvousTimeout",
     "AFDStepTimeoutError",
@@ -55,6 +56,12 @@ class AFDLayoutError(AFDError, ValueError):
 class AFDPeerLostError(AFDError, RuntimeError):
     """A data or control peer stopped heartbeating, its store connection broke, or a transfer to it
     failed (docs/connection.md#liveness)."""
+
+
+class AFDPeerProtocolError(AFDProtocolError, AFDPeerLostError):
+    """A paired peer sent what the protocol forbids (a count above ``max_rows``, a control frame whose CRC
+    fails, a data message whose seal disagrees): handled as a lost peer, so the pairing re-forms
+    (docs/security.md#what-is-validated)."""
 
 
 class AFDStepTimeoutError(AFDError, RuntimeError):

@@ -1,11 +1,12 @@
 """``FFNConnector``: the FFN's end of the AFD wire (the shared link: connector.py).
 
 Per step the FFN blocks in ``next_step`` for the payload of its control peer, attention rank k (an
-int64 length, then the bytes; docs/protocol.md#control-payload), and adopts it: the only place its
-step state changes. Per (layer, stage) ``recv_a2f`` receives from every attention peer in subgroup
-order and concatenates; ``send_f2a`` issues each peer its rows without blocking, and ``wait_sends``
-waits them all at the end of the step. With graph buffers every receive lands in a persistent
-buffer per (stage, peer, shape), preallocated when a payload is adopted, so a replayed CUDA graph
+int64 header [length, CRC-32], then the bytes; docs/protocol.md#control-payload), checks it against
+the handshake's bounds and adopts it: the only place its step state changes. Per (layer, stage)
+``recv_a2f`` receives from every attention peer in subgroup order (each message's seal checked in
+integrity mode, wire/integrity.py) and concatenates; ``send_f2a`` issues each peer its rows without
+blocking, and ``wait_sends`` waits them all at the end of the step. With graph buffers every receive
+lands in a persistent buffer per (stage, peer, shape), preallocated when a payload is adopted, so a replayed CUDA graph
 finds the addresses it recorded (docs/protocol.md#step-state-and-receive-buffers).
 """
 
@@ -16,16 +17,24 @@ from typing import Any
 import torch
 
 from vllm_afd.wire.connector import AFDConnector
-from vllm_afd.wire.errors import AFDProtocolError
-from vllm_afd.wire.messages import A2FBatch, ControlPayload, RoutingSpec
+from vllm_afd.role import Role
+from vllm_afd.wire.errors import AFDPeerLostError, AFDPeerProtocolError, AFDProtocolError
+from vllm_afd.wire.handshake import DEFAULT_MAX_ROWS
+from vllm_afd.wire.messages import (
+    CONTROL_HEADER_WORDS,
+    MAX_CONTROL_BYTES,
+    A2FBatch,
+    ControlPayload,
+    RoutingSpec,
+    control_length,
+    read_control,
+)
 from vllm_afd.wire.placement import A2F, CONTROL, F2A
 from vllm_afd.wire.timeline import A2F_RECV_END, A2F_RECV_START, F2A_SEND_END, F2A_SEND_START
 from vllm_afd.wire.transport import SendHandle
 
-__all__ = ["MAX_CONTROL_BYTES", "FFNConnector"]
+__all__ = ["CONTROL_HEADER_WORDS", "MAX_CONTROL_BYTES", "FFNConnector"]
 
-# A control body longer than this is garbage, not a payload (a real one is well under 1 KiB per stage).
-MAX_CONTROL_BYTES = 1 << 20
 
 
 class FFNConnector(AFDConnector):
@@ -46,32 +55,39 @@ class FFNConnector(AFDConnector):
     # ---- control plane --------------------------------------------------------------------------
 
     def next_step(self) -> ControlPayload:
-        """Block for the next step's payload and adopt it (an idle attention is legal: untimed)."""
+        """Block for the next step's payload, check it, adopt it (an idle attention is legal: untimed).
+
+        Nothing from the peer is used before its check: the header's length bounds the body's receive, its
+        CRC-32 the body, the handshake's num_stages the stages and the attention's max_rows every count, all
+        before any buffer is sized by them. A violation is ``AFDPeerProtocolError``: a lost peer, re-formed.
+        """
         self._require_ready("next_step")
-        p = self.placement
+        s, p = self.spec, self.placement
         src = p.num_ffn_ranks + p.role_rank  # attention rank k's AFD rank
-        length = torch.empty(1, dtype=torch.int64)
+        header = torch.zeros(CONTROL_HEADER_WORDS, dtype=torch.int64)  # zeros: a short header fails the CRC
         label = "control receive from attention rank"
-        self._call(label, p.role_rank, self.transport.recv, CONTROL, length, src, timed=False)
-        num_bytes = int(length.item())
+        self._call(label, p.role_rank, self.transport.recv, CONTROL, header, src, timed=False)
+        words = header.tolist()
         self._require_ready("next_step")  # an abort may have left garbage behind
-        if not 0 < num_bytes <= MAX_CONTROL_BYTES:
-            raise AFDProtocolError(
-                f"{self.spec.name}: control payload length {num_bytes} from attention rank {p.role_rank} is "
-                f"not in 1..{MAX_CONTROL_BYTES}; expected the int64 byte length of "
-                "docs/protocol.md#control-payload. Run the same vllm_afd version on both roles"
-            )
-        data = torch.empty(num_bytes, dtype=torch.uint8)
-        self._call(label, p.role_rank, self.transport.recv, CONTROL, data, src, timed=False)
-        payload = ControlPayload.decode(data.numpy().tobytes())
-        if len(payload.stages) > self.spec.num_stages:
-            raise AFDProtocolError(
-                f"{self.spec.name}: control payload step {payload.step_seq} from attention rank {p.role_rank} has "
-                f"{len(payload.stages)} stages {sorted(payload.stages)}; the handshake agreed on num_stages="
-                f"{self.spec.num_stages}. Run the same vllm_afd version and num_stages on both roles"
-            )
-        self._adopt(payload)
+        try:
+            data = torch.empty(control_length(words), dtype=torch.uint8)
+            self._call(label, p.role_rank, self.transport.recv, CONTROL, data, src, timed=False)
+            payload = read_control(words, data.numpy().tobytes(), num_stages=s.num_stages,
+                                   max_rows=self._peer_max_rows())
+            self._adopt(payload)  # refuses a count vector of another deployment, before any buffer
+        except AFDProtocolError as exc:
+            if isinstance(exc, AFDPeerLostError):
+                raise
+            raise self._latch.fail(AFDPeerProtocolError(
+                f"{s.name}: from attention rank {p.role_rank}: {exc}. Run the same vllm_afd version and settings "
+                "on both roles; the pairing is dropped and re-formed (docs/security.md#what-is-validated)"),
+                observed=True) from None
         return payload
+
+    def _peer_max_rows(self) -> int:
+        """The attention role's max_rows from the handshake (equal on its ranks: a role field)."""
+        return max((fp.max_rows for fp in self.fingerprints.values() if fp.role == Role.ATTENTION.value),
+                   default=DEFAULT_MAX_ROWS)
 
     def _adopt(self, payload: ControlPayload) -> None:
         super()._adopt(payload)
@@ -94,10 +110,13 @@ class FFNConnector(AFDConnector):
             hidden = self._recv_buffer(stage, group_rank, num_rows, s.hidden_size, s.dtype)
             self._call(label, peer, self.transport.recv, A2F, hidden, group_rank)
             hidden_parts.append(hidden)
+            group = (hidden,)
             if routing is not None:
                 logits = self._recv_buffer(stage, group_rank, num_rows, routing.width, routing.dtype)
                 self._call(label, peer, self.transport.recv, A2F, logits, group_rank)
                 logit_parts.append(logits)
+                group = (hidden, logits)
+            self._check_seal(A2F, group_rank, group, stage, label, peer)
         self._mark(A2F_RECV_END)
         return A2FBatch(_concat(hidden_parts), _concat(logit_parts) if logit_parts else None, peer_rows)
 
@@ -114,9 +133,12 @@ class FFNConnector(AFDConnector):
             )
         parts = output.split(list(peer_rows))
         self._mark(F2A_SEND_START)
+        exchange = self.integrity.next_position("send f2a")
         for group_rank, (peer, part) in enumerate(zip(p.attention_peers, parts), start=1):
-            self._pending_f2a.append(self._call("f2a send to attention rank", peer, self.transport.isend, F2A,
-                                                part.contiguous(), group_rank, timed=False))
+            part = part.contiguous()
+            for tensor in (part, *self.integrity.seals(self.steps.payload.step_seq, exchange, stage, (part,))):
+                self._pending_f2a.append(self._call("f2a send to attention rank", peer, self.transport.isend, F2A,
+                                                    tensor, group_rank, timed=False))
         self._mark(F2A_SEND_END)
         self._count_exchange()
 

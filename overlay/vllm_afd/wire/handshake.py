@@ -35,7 +35,9 @@ __all__ = [
 # 2: the control payload carries one row count per attention rank (was: per attention DP rank).
 # 3: the fingerprint carries the checkpoint's config and weights digests (and its path, for messages).
 # 4: the fingerprint carries num_stages (micro-batches per step, docs/pingpong.md).
-PROTOCOL_VERSION = 4
+# 5: the fingerprint carries max_rows and integrity; the control frame's header carries the body's CRC-32,
+#    and with integrity on every data message is followed by its seal (docs/protocol.md#integrity-mode).
+PROTOCOL_VERSION = 5
 
 # Compared across all ranks, in report order.
 GLOBAL_FIELDS = (
@@ -53,6 +55,7 @@ GLOBAL_FIELDS = (
     "num_ffn_ranks",
     "compute_gate_on_attention",
     "num_stages",
+    "integrity",
     "graph_mode",
     "config_digest",
     "weights_digest",
@@ -62,11 +65,14 @@ CHECKPOINT_FIELDS = ("config_digest", "weights_digest")
 UNKNOWN_DIGEST_PREFIX = "unknown"
 NOT_GIVEN = f"{UNKNOWN_DIGEST_PREFIX} (not given)"
 # Compared only within one role; across roles the layout rule applies instead.
-ROLE_FIELDS = ("dp_size", "tp_size")
+# max_rows: the FFN bounds every published count by its attention peers' value (docs/protocol.md#bounds).
+ROLE_FIELDS = ("dp_size", "tp_size", "max_rows")
 # Logged and used in messages only.
 IDENTITY_FIELDS = ("role", "role_rank", "hostname", "pid", "device", "checkpoint")
 
 ROLES = tuple(role.value for role in Role)
+# Bounds of max_rows; the default is the largest a rank may publish (the IPC slot records' bound too).
+DEFAULT_MAX_ROWS = 1 << 20
 _FIX = "Launch both roles with the same model, dtype and AFD settings."
 
 
@@ -102,6 +108,8 @@ class Fingerprint:
     compute_gate_on_attention: bool
     # Micro-batches per step (AFDConfig.num_stages); both roles size their stage buffers and graphs by it.
     num_stages: int = 1
+    # Every data message sealed with a header and a CRC-32 (AFDConfig.integrity, docs/protocol.md#integrity-mode).
+    integrity: bool = False
     # "eager" or "FULL_DECODE_ONLY".
     graph_mode: str
     # "sha256:<hex>" of the checkpoint's config.json content, or "unknown (<why>)" (then not compared).
@@ -109,6 +117,10 @@ class Fingerprint:
     config_digest: str = NOT_GIVEN
     # "sha256:<hex>" of the sampled weight files, "dummy" (--load-format dummy) or "unknown (<why>)".
     weights_digest: str = NOT_GIVEN
+    # Most rows one exchange of this role's ranks carries (connect.max_exchange_rows); an FFN refuses a
+    # published count above its attention peers' value before allocating anything. The default serves
+    # callers without a model.
+    max_rows: int = DEFAULT_MAX_ROWS
     # DP size of the publishing role.
     dp_size: int
     # TP size of the publishing role.
@@ -134,6 +146,8 @@ class Fingerprint:
                 raise TypeError(
                     f"AFD fingerprint: {f.name} must be {expected.__name__}, got {value!r}"
                 )
+        if not 1 <= self.max_rows <= DEFAULT_MAX_ROWS:
+            raise ValueError(f"AFD fingerprint: max_rows must be in 1..{DEFAULT_MAX_ROWS}, got {self.max_rows}")
         if self.role not in ROLES:
             raise ValueError(f"AFD fingerprint: role must be one of {ROLES}, got {self.role!r}")
         if len(self.layer_kinds) != self.num_hidden_layers or set(self.layer_kinds) - {"D", "M"}:
@@ -155,6 +169,7 @@ class Fingerprint:
         connector: str,
         compute_gate_on_attention: bool,
         num_stages: int = 1,
+        integrity: bool = False,
         hostname: str | None = None,
         pid: int | None = None,
         **model_facts: Any,
@@ -163,7 +178,7 @@ class Fingerprint:
 
         ``model_facts``: overlay_version, vllm_version, architecture, hidden_size, num_hidden_layers,
         dtype, layer_kinds, num_routed_experts, graph_mode, config_digest, weights_digest, device,
-        checkpoint.
+        checkpoint, max_rows.
         """
         return cls(
             protocol_version=PROTOCOL_VERSION,
@@ -172,6 +187,7 @@ class Fingerprint:
             num_ffn_ranks=placement.num_ffn_ranks,
             compute_gate_on_attention=compute_gate_on_attention,
             num_stages=num_stages,
+            integrity=integrity,
             role=placement.role.value,  # a plain str on the wire (the type check above is exact)
             role_rank=placement.role_rank,
             dp_size=placement.dp_size,

@@ -8,13 +8,17 @@ from __future__ import annotations
 
 import json
 import operator
+import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 
 from vllm_afd.wire.errors import AFDProtocolError
 
-__all__ = ["A2FBatch", "ControlPayload", "PAYLOAD_FLAGS", "RoutingSpec"]
+__all__ = [
+    "CONTROL_HEADER_WORDS", "MAX_CONTROL_BYTES", "A2FBatch", "ControlPayload", "PAYLOAD_FLAGS", "RoutingSpec",
+    "control_header", "control_length", "read_control",
+]
 
 # Step flags of the control payload; a decoder treats a missing flag as false.
 PAYLOAD_FLAGS = ("is_graph_capturing", "is_warmup", "is_graph_replaying", "is_profile")
@@ -135,6 +139,43 @@ def _decode_counts(data: Any, key: str, value: Any) -> tuple[int, ...]:
     if not (isinstance(value, list) and value and all(type(n) is int and n >= 0 for n in value)):
         raise _undecodable(data, f"stage {key}: counts are not a non-empty list of non-negative integers")
     return tuple(value)
+
+
+# A control body longer than this is garbage, not a payload (a real one is well under 1 KiB per stage).
+MAX_CONTROL_BYTES = 1 << 20
+# The control frame's header: int64 [length, CRC-32 of the body].
+CONTROL_HEADER_WORDS = 2
+
+
+def control_header(body: bytes) -> list[int]:
+    """The control frame's header, sent as int64 ``[2]`` before the body: ``[length, CRC-32 of the body]``."""
+    return [len(body), zlib.crc32(body)]
+
+
+def control_length(header: Sequence[int]) -> int:
+    """The body length a received header announces, checked before the body's receive is posted."""
+    num_bytes = header[0]
+    if not 0 < num_bytes <= MAX_CONTROL_BYTES:
+        raise AFDProtocolError(f"control payload length {num_bytes} is not in 1..{MAX_CONTROL_BYTES}; expected the "
+                               "int64 header [length, CRC-32] of docs/protocol.md#control-payload")
+    return num_bytes
+
+
+def read_control(header: Sequence[int], body: bytes, *, num_stages: int, max_rows: int) -> ControlPayload:
+    """The payload of a received control frame, checked before anything is sized by it: the body's CRC-32, the
+    codec, stages below ``num_stages`` and every count at most ``max_rows``. Raises ``AFDProtocolError``."""
+    if zlib.crc32(body) != header[1]:
+        raise AFDProtocolError(f"control payload of {len(body)} bytes fails its CRC-32 (header {header[1]:#x}, "
+                               f"body {zlib.crc32(body):#x}); the peer sent other bytes than it announced")
+    payload = ControlPayload.decode(body)
+    if payload.stages[-1] >= num_stages:
+        raise AFDProtocolError(f"control payload step {payload.step_seq} has stages {list(payload.stages)}; the "
+                               f"handshake agreed on num_stages={num_stages} (stages 0..{num_stages - 1})")
+    for stage, counts in payload.counts.items():
+        if max(counts) > max_rows:
+            raise AFDProtocolError(f"control payload step {payload.step_seq} publishes {max(counts)} rows in stage "
+                                   f"{stage}; the attention's handshake announced max_rows={max_rows}")
+    return payload
 
 
 @dataclass(frozen=True, slots=True)

@@ -44,6 +44,8 @@ class ConnectorSpec:
     # Micro-batch stages per step at most (the handshake's num_stages, docs/pingpong.md); a payload with
     # more is refused, and a preallocating transport sizes its slots by it.
     num_stages: int = 1
+    # Integrity mode: every data message is followed by its seal, checked on receipt (wire/integrity.py).
+    integrity: bool = False
 
     def check_tensor(self, tensor: torch.Tensor, what: str, width: int | None, dtype: torch.dtype | None) -> None:
         """Raise ValueError unless ``tensor`` is 2-D, ``width`` wide, of ``dtype`` and on this spec's device."""

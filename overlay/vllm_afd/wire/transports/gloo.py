@@ -13,6 +13,13 @@ a receive from it fails at once; the watchdog reports a peer that hangs, and ``t
 receive of its own process (neither ``abort()`` nor ``shutdown()`` does, torch 2.13): ``close()`` drops
 the groups, which fails the peers' pending transfers at once, and a local blocked data transfer ends
 at its native timeout.
+
+gloo ends the process (``std::terminate`` from its device thread) when a message is longer than the receive
+posted for it, and accepts a shorter one silently. So a control receive is posted with the control channel's
+largest message (``CONTROL_CAPACITY``, through a reusable scratch whose head is zeroed first) and only the
+bytes asked for are copied out: a lying control peer is read and refused by the connector's checks
+(docs/security.md#what-is-validated), never a native abort. Data receives are posted at the size the checked
+control payload sets.
 """
 
 from __future__ import annotations
@@ -25,7 +32,10 @@ import torch
 from vllm_afd.wire.placement import CONTROL, Placement
 from vllm_afd.wire.transport import SendHandle, Transport
 
-__all__ = ["GlooSend", "GlooTransport"]
+__all__ = ["CONTROL_CAPACITY", "GlooSend", "GlooTransport"]
+
+# Every control receive is posted this large: the control frame's largest body (messages.MAX_CONTROL_BYTES).
+CONTROL_CAPACITY = 1 << 20
 
 # Native timeout of a gloo wait with no bound: a control receive (the FFN's wait for the next payload
 # is legally unbounded), and every wait before step timeouts are armed (start-up may compile for long).
@@ -111,6 +121,8 @@ class GlooTransport(Transport):
         self._free_sends: dict[int, list[torch.Tensor]] = {}
         # Host synchronisations this transport made, for the connector's timeline.
         self.host_syncs = 0
+        # The scratch every control receive is posted into (CONTROL_CAPACITY bytes), made on first use.
+        self._control_scratch: torch.Tensor | None = None
 
     def open(self, store: Any, placement: Placement, timeout_s: float) -> None:
         from torch.distributed import PrefixStore, ProcessGroupGloo
@@ -158,7 +170,10 @@ class GlooTransport(Transport):
 
     def recv(self, channel: str, tensor: torch.Tensor, src: int) -> None:
         # NOTE: a timed-out gloo wait closes its pair, so the channel is lost: fine once the step is late.
-        timeout = GLOO_OP_TIMEOUT if channel == CONTROL else _op_timeout(self.transfer_timeout_s)
+        if channel == CONTROL:
+            self._recv_control(tensor, src)
+            return
+        timeout = _op_timeout(self.transfer_timeout_s)
         if tensor.device.type == "cpu" and tensor.is_contiguous():
             self._group(channel).recv([_bytes(tensor)], src, 0).wait(timeout)
             return
@@ -167,6 +182,19 @@ class GlooTransport(Transport):
         tensor.copy_(staging, non_blocking=tensor.device.type == "cuda")
         if tensor.device.type == "cuda":
             self._record_copy("recv", staging)
+
+    def _recv_control(self, tensor: torch.Tensor, src: int) -> None:
+        """A control receive posted at ``CONTROL_CAPACITY``: a longer or shorter message than ``tensor`` is read,
+        never a native abort; ``tensor`` gets its first bytes, zeros where the message was shorter."""
+        nbytes = tensor.numel() * tensor.element_size()
+        assert tensor.device.type == "cpu" and tensor.is_contiguous() and nbytes <= CONTROL_CAPACITY, \
+            "control tensors are small contiguous CPU tensors"
+        if self._control_scratch is None:
+            self._control_scratch = torch.empty(CONTROL_CAPACITY, dtype=torch.uint8)
+        scratch = self._control_scratch
+        scratch[:nbytes].zero_()
+        self._group(CONTROL).recv([scratch], src, 0).wait(GLOO_OP_TIMEOUT)
+        tensor.reshape(-1).view(torch.uint8).copy_(scratch[:nbytes])
 
     def abort(self) -> None:
         groups, self._groups = self._groups, {}
