@@ -26,7 +26,7 @@ from vllm_afd.attention.step import (
     register_step,
     unregister_step,
 )
-from vllm_afd.attention.step_gate import make_step_gate
+from vllm_afd.attention.step_gate import checked_output, make_step_gate
 from vllm_afd.config import AFDConfig
 from vllm_afd.connect import build_connector
 from vllm_afd.metrics import metrics_dir
@@ -132,6 +132,11 @@ class AFDAttentionRunnerMixin:
             self._afd_step_gate.check()
         self._afd_telemetry.after_step()
         return output
+
+    def sample_tokens(self, *args: Any, **kwargs: Any) -> Any:
+        # NOTE: the third check point: an asynchronous output raises the failure after vLLM waited for the step's
+        # sampled tokens, so a step the abort let finish on garbage hands no token on (attention/step_gate.py).
+        return checked_output(super().sample_tokens(*args, **kwargs), self.afd_connector)
 
     def _afd_before_step(self) -> None:
         """Runs once the step gate passed, before the native step (the CUDA runner re-records graphs here)."""

@@ -8,6 +8,12 @@ collective. So inside a step a failed transfer does not raise (attention/step.py
 the step's result is discarded), and the ranks raise only at the two points every rank reaches: the gate
 all-reduces "has my connector failed?" over the tensor-parallel group's CPU group and raises on every rank
 if any has.
+
+A third check point follows the step's device work: on CUDA the host leaves ``execute_model`` before the GPU
+has run the step, so a peer lost meanwhile (the IPC flags or NCCL released by the abort) lets the step finish
+on garbage after both gates passed. ``checked_output`` wraps Model Runner V2's asynchronous output so that
+its ``get_output``, right after vLLM waited for the sampled tokens' copy, raises the failure instead of
+handing those tokens to the scheduler (docs/failures.md#23-no-token-from-an-aborted-step).
 """
 
 from __future__ import annotations
@@ -15,11 +21,12 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from vllm.v1.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
 
 from vllm_afd.wire.attention_end import AttentionConnector
 from vllm_afd.wire.errors import AFDPeerLostError
 
-__all__ = ["LocalStepGate", "TensorParallelStepGate", "make_step_gate"]
+__all__ = ["CheckedOutput", "LocalStepGate", "TensorParallelStepGate", "checked_output", "make_step_gate"]
 
 
 def _raise(connector: AttentionConnector, failure: BaseException) -> None:
@@ -64,3 +71,30 @@ class TensorParallelStepGate:
 def make_step_gate(connector: AttentionConnector, tp_size: int,
                    cpu_group: Any) -> LocalStepGate | TensorParallelStepGate:
     return LocalStepGate(connector) if tp_size == 1 else TensorParallelStepGate(connector, cpu_group)
+
+
+class CheckedOutput(AsyncModelRunnerOutput):
+    """A step's asynchronous output whose tokens reach the scheduler only if the pairing survived its device work."""
+
+    def __init__(self, output: AsyncModelRunnerOutput, connector: AttentionConnector) -> None:
+        self.output = output
+        self.connector = connector
+        self.pairing = connector.reformations  # the pairing the step ran on
+
+    def get_output(self) -> ModelRunnerOutput:
+        result = self.output.get_output()  # NOTE: vLLM waits here for the sampled tokens' copy, so for the step
+        connector = self.connector
+        if connector.failure is None and not connector.reforming and connector.reformations == self.pairing:
+            return result
+        connector.check_failed()  # the sticky failure, marked observed
+        raise AFDPeerLostError(
+            f"AFD peer lost: {connector.placement.label}'s connector paired again while a step ran; its sampled "
+            "tokens are discarded (docs/failures.md#23-no-token-from-an-aborted-step)")
+
+
+def checked_output(output: Any, connector: AttentionConnector) -> Any:
+    """``output`` of ``sample_tokens``, its asynchronous kind checked after the device work (``CheckedOutput``).
+
+    A synchronous ``ModelRunnerOutput`` (the CPU runner) passes unchanged: its forward ran on the host, every
+    transfer of it completed or failed before ``execute_model`` returned, and the step gate saw it."""
+    return CheckedOutput(output, connector) if isinstance(output, AsyncModelRunnerOutput) else output
