@@ -157,6 +157,7 @@ def build_fingerprint(vllm_config: VllmConfig, afd_config: AFDConfig, placement:
         connector=afd_config.connector,
         compute_gate_on_attention=afd_config.compute_gate_on_attention,
         num_stages=afd_config.num_stages,
+        max_rows=max_exchange_rows(vllm_config),
         overlay_version=overlay_version,
         vllm_version=vllm.__version__,
         architecture=architecture,
