@@ -2,14 +2,15 @@
 
 The smallest pool that proves it: two FFN DP ranks with vLLM's expert parallelism (`--data-parallel-size 2
 --enable-expert-parallel`) behind an attention of two ranks, every server in float32 (tests/e2e/test_afd_pool.py
-says why), tokens compared with a plain float32 vLLM.  The attention runs TP 2, not DP 2: an attention whose DP
-ranks share one `vllm serve` does not heal (vLLM's fault tolerance refuses its internal DP load balancer,
-`validation.healing_blocker`), and a healing attention is what the FFN's restart is tested under.
+says why), tokens compared with a plain float32 vLLM.
 
 1. The attention is killed mid-stream and restarted: both FFN DP ranks leave the step together, re-form together
-   and pair with the new attention, the FFN server never restarts.
+   and pair with the new attention, the FFN server never restarts; with attention DP 2 (the layout of
+   tests/e2e/test_afd_pool.py) and with attention TP 2.
 2. The FFN server is killed mid-stream (vLLM cannot replace one of its DP ranks: decision 48) and restarted: the
-   same attention answers 503 meanwhile and serves plain vLLM's tokens again by itself.
+   same attention answers 503 meanwhile and serves plain vLLM's tokens again by itself.  Under attention TP 2:
+   an attention whose DP ranks share one `vllm serve` does not heal (vLLM's fault tolerance refuses its internal
+   DP load balancer, `validation.healing_blocker`).
 """
 
 from __future__ import annotations
@@ -83,24 +84,43 @@ def kill_mid_stream(afd: AFDDeployment, server) -> list:
     return ended
 
 
-def test_attention_killed_mid_stream_then_restarted_pairs_with_the_whole_running_pool(pool, plain_float32):
-    ffn_pid = pool.ffn.process.pid
+def restart_attention_under_the_pool(afd: AFDDeployment, plain_float32: list) -> None:
+    """Kill the attention mid-stream, restart it: both FFN DP ranks re-form, the FFN server never restarts."""
+    ffn_pid = afd.ffn.process.pid
 
-    ended = kill_mid_stream(pool, pool.attention)
-    waiting = wait_for(lambda: all(f"AFD ffn rank {rank}: lost the attention" in pool.ffn.log_path.read_text()
+    ended = kill_mid_stream(afd, afd.attention)
+    waiting = wait_for(lambda: all(f"AFD ffn rank {rank}: lost the attention" in afd.ffn.log_path.read_text()
                                    for rank in (0, 1)), timeout_s=120.0)
-    pool.attention.start()
-    tokens = [g.token_ids for g in complete_batch(pool.attention.base_url, PROMPTS, MAX_TOKENS)]
-    log = pool.ffn.log_path.read_text()
+    afd.attention.start()
+    tokens = [g.token_ids for g in complete_batch(afd.attention.base_url, PROMPTS, MAX_TOKENS)]
+    log = afd.ffn.log_path.read_text()
 
     assert "broken" in ended, ended
-    assert waiting, pool.ffn.log_tail()
-    assert pool.ffn.process.pid == ffn_pid and pool.ffn.process.poll() is None
+    assert waiting, afd.ffn.log_tail()
+    assert afd.ffn.process.pid == ffn_pid and afd.ffn.process.poll() is None
     assert tokens == plain_float32
     for rank in (0, 1):
         paired = re.search(rf"AFD ffn rank {rank}: paired again with attention ranks \[{rank}\]", log)
-        assert paired, pool.ffn.log_tail()
-    assert "AFD FFN worker loop failed" not in log, pool.ffn.log_tail()
+        assert paired, afd.ffn.log_tail()
+    assert "AFD FFN worker loop failed" not in log, afd.ffn.log_tail()
+
+
+def test_attention_dp2_killed_mid_stream_then_restarted_pairs_with_the_whole_running_pool(
+        tiny_model_dir, vllm_python, tmp_path, plain_float32):
+    """The layout of tests/e2e/test_afd_pool.py (attention DP 2 on FFN DP 2 + EP), now with re-forming; first in
+    the file, so its deployment is gone before the module's `pool` starts."""
+    afd = AFDDeployment(tiny_model_dir("qwen3_moe"), python=vllm_python, log_dir=tmp_path,
+                        afd_fields={"num_attention_ranks": 2, "num_ffn_ranks": 2, "step_timeout_s": 60,
+                                    "reform_timeout_s": 300},
+                        attention_args=["--data-parallel-size", "2", *FLOAT32],
+                        ffn_args=["--data-parallel-size", "2", "--enable-expert-parallel", *FLOAT32],
+                        attention_cpus="1|1", ffn_cpus="0|0")
+    with afd:
+        restart_attention_under_the_pool(afd, plain_float32)
+
+
+def test_attention_killed_mid_stream_then_restarted_pairs_with_the_whole_running_pool(pool, plain_float32):
+    restart_attention_under_the_pool(pool, plain_float32)
 
 
 def test_ffn_pool_killed_mid_stream_then_restarted_under_the_same_attention(pool, plain_float32):
@@ -132,3 +152,4 @@ def test_ffn_pool_killed_mid_stream_then_restarted_under_the_same_attention(pool
     for rank in (0, 1):
         assert re.search(rf"AFD attention rank {rank}: paired again with FFN ranks \[{rank}\]", log), \
             pool.attention.log_tail()
+
