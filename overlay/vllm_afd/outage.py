@@ -26,7 +26,7 @@ import os
 from collections.abc import Callable
 
 from vllm_afd.wire.errors import (AFDAuthenticationError, AFDConfigMismatchError, AFDLayoutError, AFDPeerLostError,
-                                  AFDProtocolError, AFDRendezvousTimeout, AFDStepTimeoutError)
+                                  AFDProtocolError, AFDRendezvousTimeout, AFDStepTimeoutError, AFDWatchdogStalledError)
 
 __all__ = [
     "OUTAGE_FILE", "clear_outage", "client_cause", "healing_message", "outage_message", "outage_notice_writer",
@@ -38,6 +38,7 @@ OUTAGE_FILE = "afd-attention-outage.txt"
 
 # Failure class -> the phrase a client reads; the first match wins (subclasses first).
 _CAUSES: tuple[tuple[type[BaseException], str], ...] = (
+    (AFDWatchdogStalledError, "AFD watchdog stalled"),
     (AFDPeerLostError, "AFD peer lost"),
     (AFDStepTimeoutError, "AFD step timed out"),
     (AFDRendezvousTimeout, "AFD rendezvous timed out"),

@@ -116,3 +116,46 @@ def test_afd_across_namespaces_equals_plain_vllm(two_hosts, plain, deployment, t
     config = json.loads((tiny_model_dir(ARCH) / "config.json").read_text())
     floor = MAX_TOKENS * config["hidden_size"] * 2
     assert rx >= floor and tx >= floor, (rx, tx, floor)
+
+
+def test_a_cut_peer_link_is_an_outage_then_the_attention_heals(two_hosts, plain, deployment):
+    """A partition (docs/failures.md#bounded-waits): the peer link goes down under an idle, paired attention, so
+    nothing closes and no packet answers. The attention reports the lost FFN within peer_timeout_s (its
+    heartbeat round does not return) and answers 503; once the link is back both roles pair again and the
+    same attention serves plain vLLM's tokens. Runs after the token test: it needs the module's deployment."""
+    import subprocess
+    import time
+
+    import requests
+
+    from afd_harness.metrics import scrape, wait_for
+
+    attention = deployment["attention"]
+    url, model = attention.base_url, str(attention.model)
+    attention_pid = attention.process.pid
+    assert scrape(url)[("afd_peer_up", "attention")] == 1.0
+    link = ["ip", "-n", two_hosts.attention.namespace, "link", "set", PEER_IFNAME]
+    subprocess.run([*link, "down"], check=True)
+    cut_at = time.monotonic()
+    try:
+        assert wait_for(lambda: scrape(url).get(("afd_peer_up", "attention")) == 0.0, timeout_s=60.0,
+                        interval_s=0.2), attention.log_tail()
+        detected_s = time.monotonic() - cut_at
+        refused = requests.post(f"{url}/v1/completions", timeout=60,
+                                json={"model": model, "prompt": PROMPTS[0], "max_tokens": 2})
+    finally:
+        subprocess.run([*link, "up"], check=True)
+    healed_at = time.monotonic()
+
+    def serves() -> bool:
+        return requests.post(f"{url}/v1/completions", timeout=60,
+                             json={"model": model, "prompt": PROMPTS[0], "max_tokens": 1}).status_code == 200
+
+    assert wait_for(serves, timeout_s=240.0, interval_s=1.0), attention.log_tail()
+    print(f"cut link: afd_peer_up 0 after {detected_s:.1f} s, serving again {time.monotonic() - healed_at:.1f} s "
+          "after the link came back")
+
+    assert detected_s < 5.0 + 10.0  # peer_timeout_s (the default) and a margin for a loaded machine
+    assert refused.status_code == 503 and "re-forming" in refused.text, refused.text
+    assert greedy_outputs(url) == plain
+    assert attention.process.pid == attention_pid and attention.process.poll() is None

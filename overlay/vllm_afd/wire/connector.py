@@ -27,6 +27,7 @@ from vllm_afd.wire.handshake import Fingerprint
 from vllm_afd.wire.integrity import make_integrity
 from vllm_afd.wire.messages import ControlPayload
 from vllm_afd.wire.placement import Placement
+from vllm_afd.wire.progress import make_progress
 from vllm_afd.wire.rendezvous import Rendezvous, RendezvousSpec
 from vllm_afd.wire.spec import ConnectorSpec
 from vllm_afd.wire.steps import StepState
@@ -97,6 +98,8 @@ class AFDConnector:
         """Start what belongs to one pairing afresh (construction, reform()); each end adds its own."""
         self.steps = StepState(self.placement, self.spec.exchanges_per_stage, self.spec.name)
         self.integrity = make_integrity(self.spec.integrity, self.spec.name, self.spec.device)
+        # One event per step on a CUDA device, polled by the watchdog (wire/progress.py); CPU: the null object.
+        self.progress = make_progress(self.spec.device)
         self.fingerprints: dict[tuple[str, int], Fingerprint] = {}
         self._transport_syncs = 0  # transport.host_syncs already counted into the timeline
         # Seconds init() took from its start to ready channels (rendezvous, handshake, channels).
@@ -134,16 +137,17 @@ class AFDConnector:
         started = time.monotonic()
         rendezvous = Rendezvous(
             RendezvousSpec(p, s.host, s.port, timeout_s, stale_claim_s=s.peer_timeout_s + STALE_CLAIM_MARGIN_S,
-                           rebind_s=self._rebind_s),
-            cancelled=lambda: self._closed,
+                           rebind_s=self._rebind_s, call_timeout_s=s.peer_timeout_s),
+            cancelled=lambda: self._closed, failed=lambda: self._latch.check(),
         )
         if self._secret is None:
             warn_unauthenticated_once(f"{s.host}:{s.port}")
         try:
             watchdog_store = self._pair(rendezvous)
             watchdog = Watchdog(
-                watchdog_store, WatchdogSpec(p, s.peer_timeout_s, s.step_timeout_s, f"{s.host}:{s.port}"),
-                self._latch,
+                watchdog_store,
+                WatchdogSpec(p, s.peer_timeout_s, s.step_timeout_s, f"{s.host}:{s.port}", s.startup_timeout_s),
+                self._latch, progress=self.progress,
             )
             self._watchdog = watchdog
             watchdog.start()
@@ -275,11 +279,14 @@ class AFDConnector:
         self.integrity.start_step()
         self.timeline.open_step(payload, sum(stage.own_rows for stage in self.steps.stages.values()))
         watchdog = self._watchdog
-        # NOTE: a FULL-graph replay runs its exchanges inside the graph: no step to count or time.
+        # NOTE: a FULL-graph replay runs its exchanges inside the graph: no step to count or time on the host;
+        # the device event recorded here times everything enqueued before it (the previous step, a replay too).
+        self.progress.record(payload.step_seq)
         watchdog.step_closed() if payload.is_graph_replaying else watchdog.step_opened(payload.step_seq)
-        # Once steps are timed, a transfer that outlives its step is released by the transport itself.
+        # A transfer that outlives its step (startup_timeout_s before steps are timed) is released by the
+        # transport itself.
         self.transport.transfer_timeout_s = (
-            self.spec.step_timeout_s + TRANSFER_TIMEOUT_MARGIN_S if watchdog.armed else None)
+            self.spec.step_timeout_s if watchdog.armed else self.spec.startup_timeout_s) + TRANSFER_TIMEOUT_MARGIN_S
 
     def _require_ready(self, what: str) -> None:
         self._latch.check()
@@ -299,6 +306,7 @@ class AFDConnector:
         self.timeline.count_host_sync(host_syncs - self._transport_syncs)
         self._transport_syncs = host_syncs
         if self.steps.count_exchange():
+            self.progress.record(self.steps.payload.step_seq)  # the step's own device work, once enqueued
             self._watchdog.step_closed()
             self.timeline.step_closed()
 
@@ -327,7 +335,9 @@ class AFDConnector:
 
     def _call(self, label: str, peer: int, method: Callable[..., Any], *args: Any, timed: bool = True) -> Any:
         """One transport call; a transport error becomes the sticky AFDPeerLostError naming the peer."""
-        watchdog = self._watchdog  # NOTE: the one this transfer started with, even if a release swaps it
+        # NOTE: the watchdog and latch this transfer started with, even if a re-formation swaps them: a late
+        # error of the old channels must not fail the new pairing.
+        watchdog, latch = self._watchdog, self._latch
         if timed:
             watchdog.transfer_started(f"{label} {peer}")
         try:
@@ -340,7 +350,7 @@ class AFDConnector:
                 "closed its connections. Check the other role's log; restart the lost role: the other waits for "
                 "it (reform_timeout_s, docs/operations.md)"
             )
-            raise self._latch.fail(lost, observed=True) from exc
+            raise latch.fail(lost, observed=True) from exc
         finally:
             if timed:
                 watchdog.transfer_finished()

@@ -22,6 +22,7 @@ __all__ = [
     "AFDProtocolError",
     "AFDRendezvousTimeout",
     "AFDStepTimeoutError",
+    "AFDWatchdogStalledError",
 ]
 
 
@@ -66,3 +67,8 @@ class AFDPeerProtocolError(AFDProtocolError, AFDPeerLostError):
 
 class AFDStepTimeoutError(AFDError, RuntimeError):
     """One step's traffic did not complete within ``step_timeout_s`` (docs/connection.md#liveness)."""
+
+
+class AFDWatchdogStalledError(AFDPeerLostError):
+    """A rank's own liveness thread stopped ticking (stuck in a call, or dead), so nothing on it would be timed
+    any more: handled as a lost peer, so the rank re-forms with a fresh watchdog (docs/connection.md#liveness)."""

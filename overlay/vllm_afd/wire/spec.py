@@ -46,6 +46,8 @@ class ConnectorSpec:
     num_stages: int = 1
     # Integrity mode: every data message is followed by its seal, checked on receipt (wire/integrity.py).
     integrity: bool = False
+    # Bound on a step, a transfer or device work before step timeouts are armed (docs/config.md).
+    startup_timeout_s: float = 1800.0
 
     def check_tensor(self, tensor: torch.Tensor, what: str, width: int | None, dtype: torch.dtype | None) -> None:
         """Raise ValueError unless ``tensor`` is 2-D, ``width`` wide, of ``dtype`` and on this spec's device."""

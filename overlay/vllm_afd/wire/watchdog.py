@@ -8,7 +8,12 @@ saw its counter change for ``peer_timeout_s`` (local monotonic clock, no cross-h
 round has not returned for ``peer_timeout_s`` (FFN rank 0, the store's host, is frozen or cut off) or
 when the store connection breaks (it is gone); once every attention rank has flagged "start-up done",
 it also fails a step or a single transfer that runs longer than ``step_timeout_s`` — on time whatever
-the store does. A failure goes to the connector's ``FailureLatch`` (wire/failure.py).
+the store does. Before that (profile, warm-up, capture, the first pairing) the same clocks run against the
+generous ``startup_timeout_s``. With a device (CUDA) it also polls the event each step recorded
+(wire/progress.py): device work pending longer than the bound is a step timeout, so a device-side wait is
+timed too. A third thread, the monitor (``afd-watchdog-monitor``), and the watchdog thread watch each other:
+one that has not ticked for ``peer_timeout_s`` (stuck in a call, or dead) is a failure the other reports.
+A failure goes to the connector's ``FailureLatch`` (wire/failure.py).
 """
 
 from __future__ import annotations
@@ -19,10 +24,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from vllm_afd.wire.errors import AFDPeerLostError, AFDStepTimeoutError
+from vllm_afd.wire.errors import AFDPeerLostError, AFDStepTimeoutError, AFDWatchdogStalledError
 from vllm_afd.wire.failure import FailureLatch
 from vllm_afd.role import Role
 from vllm_afd.wire.placement import Placement
+from vllm_afd.wire.progress import NULL_PROGRESS, DeviceProgress, NullProgress
 from vllm_afd.wire.store import rank_key, store_lost_error
 
 __all__ = ["NULL_WATCHDOG", "STARTUP_DONE_KEY", "NullWatchdog", "Watchdog", "WatchdogSpec"]
@@ -46,6 +52,8 @@ class WatchdogSpec:
     step_timeout_s: float
     # "host:port" of the store, for messages.
     address: str
+    # Bound on a step, a transfer or device work before step timeouts are armed (profile, warm-up, capture).
+    startup_timeout_s: float = 1800.0
 
     @property
     def step_peer_label(self) -> str:
@@ -89,7 +97,8 @@ class Watchdog:
     thread (``afd-heartbeat``) does every store call of a round and records what it saw and when; the
     watchdog thread (``afd-watchdog``) never does I/O and judges from those records and the step and
     transfer clocks, so a step timeout, a silent peer and a store that stopped answering are each
-    reported on time whatever the store does.
+    reported on time whatever the store does. A third, the monitor (``afd-watchdog-monitor``), only counts
+    loops: it and the watchdog thread each report the other stuck or dead.
     """
 
     def __init__(
@@ -98,17 +107,26 @@ class Watchdog:
         spec: WatchdogSpec,
         latch: FailureLatch,
         *,
+        progress: DeviceProgress | NullProgress = NULL_PROGRESS,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._store = store  # a client of its own: never shared with the main thread
         self.spec = spec
         self._latch = latch
+        self._progress = progress
         self._clock = clock
         self._stop = threading.Event()
         # Set when this watchdog recorded a failure: both threads end, so this rank stops heartbeating.
         self._halt = threading.Event()
         self._thread: threading.Thread | None = None
         self._beat_thread: threading.Thread | None = None
+        self._monitor_thread: threading.Thread | None = None
+        # Loops run by the watchdog thread and by the monitor; each counts its own loops that saw the other's
+        # count unchanged. Counted in loops, not seconds: a process stopped as a whole (SIGSTOP) stops both, and
+        # must not find its own threads stalled when it resumes.
+        self._judge_ticks = self._monitor_ticks = 0
+        # The watchdog thread's loop count when the heartbeat round in flight began (same reason; heartbeat-written).
+        self._round_start_tick = 0
         self.armed = False
         self.interval_s = min(spec.peer_timeout_s / 5.0, MAX_HEARTBEAT_INTERVAL_S)
         # (step_seq, opened_at) of the open step, or None.
@@ -133,14 +151,16 @@ class Watchdog:
             self._peer_changed = [self._round_ended] * len(self.spec.placement.peers)
             self._beat_thread = threading.Thread(target=self._beat, name="afd-heartbeat", daemon=True)
             self._thread = threading.Thread(target=self._run, name="afd-watchdog", daemon=True)
+            self._monitor_thread = threading.Thread(target=self._monitor, name="afd-watchdog-monitor", daemon=True)
             self._beat_thread.start()
             self._thread.start()
+            self._monitor_thread.start()
 
     def stop(self, timeout_s: float = 2.0) -> None:
-        """Stop both threads; a heartbeat blocked in a store call is left to its daemon thread."""
+        """Stop the three threads; a heartbeat blocked in a store call is left to its daemon thread."""
         self._stop.set()
         deadline = time.monotonic() + timeout_s
-        for thread in (self._thread, self._beat_thread):
+        for thread in (self._thread, self._monitor_thread, self._beat_thread):
             if thread is not None and thread is not threading.current_thread():
                 thread.join(max(0.0, deadline - time.monotonic()))
 
@@ -170,7 +190,7 @@ class Watchdog:
         own_key = rank_key("heartbeat", spec.placement.role, spec.placement.role_rank)
         peer_keys = [rank_key("heartbeat", role, rank) for role, rank in spec.placement.peers]
         while not (self._stop.is_set() or self._halt.is_set()):
-            self._round_since = self._clock()
+            self._round_start_tick, self._round_since = self._judge_ticks, self._clock()
             try:
                 self._store.add(own_key, 1)
                 values = [self._store.add(key, 0) for key in peer_keys]
@@ -189,10 +209,32 @@ class Watchdog:
                 return
 
     def _run(self) -> None:
-        """Watchdog thread: judge every interval from the heartbeat's records and the step clocks; no I/O."""
+        """Watchdog thread: judge every interval from the heartbeat's records, the step clocks and the device's
+        events; no I/O."""
+        seen, unchanged = -1, 0
         while not (self._stop.is_set() or self._halt.is_set()):
             now = self._clock()
-            failure = self._store_failure(now) or self._peer_failure(now) or self._timeout_failure(now)
+            self._judge_ticks += 1
+            seen, unchanged = (seen, unchanged + 1) if self._monitor_ticks == seen else (self._monitor_ticks, 0)
+            failure = (self._store_failure(now) or self._peer_failure(now) or self._timeout_failure(now)
+                       or self._device_failure(now) or self._stalled(unchanged, "its monitor"))
+            if failure is not None:
+                if not self._stop.is_set():
+                    self._fail(failure)
+                return
+            if self._stop.wait(self.interval_s):
+                return
+
+    def _monitor(self) -> None:
+        """Monitor thread: the watchdog thread must tick every interval; one stuck for ``peer_timeout_s`` (a
+        call that does not return) or dead is a failure, since nothing would be timed any more."""
+        seen, unchanged = -1, 0
+        while not (self._stop.is_set() or self._halt.is_set()):
+            self._monitor_ticks += 1
+            seen, unchanged = (seen, unchanged + 1) if self._judge_ticks == seen else (self._judge_ticks, 0)
+            thread = self._thread
+            dead = thread is not None and not thread.is_alive() and not self._halt.is_set()
+            failure = self._stalled(unchanged, "its watchdog thread", dead=dead)
             if failure is not None:
                 if not self._stop.is_set():
                     self._fail(failure)
@@ -208,10 +250,13 @@ class Watchdog:
     # ---- judgement ------------------------------------------------------------------------------
 
     def _store_failure(self, now: float) -> AFDPeerLostError | None:
-        """A store round that has not returned for ``peer_timeout_s``: FFN rank 0 is frozen or cut off."""
+        """A store round that has not returned for ``peer_timeout_s``, by the clock and by this thread's own loops
+        (a process resumed from SIGSTOP finds its round old by the clock only): FFN rank 0 is frozen or cut off."""
         spec = self.spec
         since = self._round_since
         if since is None or now - since < spec.peer_timeout_s:
+            return None
+        if (self._judge_ticks - self._round_start_tick) * self.interval_s < spec.peer_timeout_s:
             return None
         return AFDPeerLostError(
             f"AFD peer lost: the rendezvous store at {spec.address} (hosted by ffn rank 0) has not answered "
@@ -238,14 +283,53 @@ class Watchdog:
                 )
         return None
 
-    def _timeout_failure(self, now: float) -> AFDStepTimeoutError | None:
-        if not self.armed:
-            return None
+    @property
+    def bound_s(self) -> float:
+        """What a step, a transfer and device work may take now: ``step_timeout_s`` once armed, else
+        ``startup_timeout_s``."""
+        return self.spec.step_timeout_s if self.armed else self.spec.startup_timeout_s
+
+    def _bound_text(self) -> str:
         spec = self.spec
+        if self.armed:
+            return f"step_timeout_s={spec.step_timeout_s:g}"
+        return f"startup_timeout_s={spec.startup_timeout_s:g}, before step timeouts are armed"
+
+    def _stalled(self, unchanged: int, who: str, *, dead: bool = False) -> AFDWatchdogStalledError | None:
+        """A liveness thread (``who``) dead, or silent for ``peer_timeout_s`` worth of the caller's own loops:
+        nothing is timed any more."""
+        spec = self.spec
+        silent_s = unchanged * self.interval_s
+        if not dead and silent_s < spec.peer_timeout_s:
+            return None
+        state = "ended" if dead else f"has not ticked for {silent_s:.1f}s (peer_timeout_s={spec.peer_timeout_s:g})"
+        return AFDWatchdogStalledError(
+            f"AFD watchdog stalled: on {spec.placement.label}, {who} {state}; a call it made does not return "
+            "(a blocked log handler, a stuck file system) or the process is starved, so no peer or step would be "
+            "timed. Check this rank's log and stacks (py-spy dump); the rank re-forms or restarts as after a lost peer"
+        )
+
+    def _device_failure(self, now: float) -> AFDStepTimeoutError | None:
+        """Device work enqueued before a step still pending after the bound (wire/progress.py)."""
+        late = self._progress.overdue(now, self.bound_s)
+        if late is None:
+            return None
+        step_seq, pending_s = late
+        shown = "?" if step_seq is None else step_seq
+        return AFDStepTimeoutError(
+            f"AFD step {shown}: the device of {self.spec.placement.label} has not finished the work enqueued "
+            f"before it for {pending_s:.1f}s ({self._bound_text()}, {self.spec.step_peer_label}); a device-side "
+            "wait does not end (an NCCL transfer, a CUDA IPC flag, a replayed graph): the peer's device stopped "
+            "or never sent. Check that rank's log and nvidia-smi"
+        )
+
+    def _timeout_failure(self, now: float) -> AFDStepTimeoutError | None:
+        spec = self.spec
+        bound_s = self.bound_s
         step, transfer_since = self._step, self._transfer_since
         step_s = None if step is None else now - step[1]
         transfer_s = None if transfer_since is None else now - transfer_since
-        if max(step_s or 0.0, transfer_s or 0.0) <= spec.step_timeout_s:
+        if max(step_s or 0.0, transfer_s or 0.0) <= bound_s:
             return None
         step_seq = step[0] if step else self._last_step_seq
         shown = "?" if step_seq is None else step_seq
@@ -258,9 +342,10 @@ class Watchdog:
             waiting = (f"{spec.placement.label} is between exchanges: computing, stuck outside AFD (a "
                        "tensor-parallel collective waiting for another rank of its server), or a payload went "
                        "missing")
+        lower = "step_timeout_s" if self.armed else "startup_timeout_s"
         return AFDStepTimeoutError(
-            f"AFD step {shown}{opened} did not complete within step_timeout_s={spec.step_timeout_s:g} "
-            f"({spec.step_peer_label}): {waiting}. Check that rank's log; lower step_timeout_s to "
+            f"AFD step {shown}{opened} did not complete within {self._bound_text()} "
+            f"({spec.step_peer_label}): {waiting}. Check that rank's log; lower {lower} to "
             "surface a stall sooner"
         )
 

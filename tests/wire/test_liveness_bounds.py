@@ -1,0 +1,322 @@
+"""Every wait of the control plane is bounded (docs/connection.md#liveness): a store call to a stopped host,
+a stalled watchdog thread, device work that never finishes, a stuck start-up, a failure callback that hangs.
+
+The stopped host is real: a TCPStore served by a child process that the test SIGSTOPs (torch's client ignores
+its own timeout then). The device is a recording fake with the ``torch.cuda.Event`` surface.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+from torch.distributed import TCPStore
+
+from vllm_afd.wire.errors import AFDPeerLostError, AFDStepTimeoutError, AFDWatchdogStalledError
+from vllm_afd.wire.failure import NOTIFY_JOIN_S, FailureLatch
+from vllm_afd.wire.placement import Placement
+from vllm_afd.wire.progress import NULL_PROGRESS, DeviceProgress, make_progress
+from vllm_afd.wire.rendezvous import Rendezvous, RendezvousSpec
+from vllm_afd.wire.store import call_within, rank_key
+from vllm_afd.wire.watchdog import STARTUP_DONE_KEY, Watchdog, WatchdogSpec
+
+from tests.connectors._harness import QueueTransport, make_connector, make_placement, make_spec, new_wire
+from tests.wire.test_rendezvous import free_port
+
+
+def place(role: str, rank: int = 0) -> Placement:
+    return Placement(role, rank, 1, 1, 1, 1)
+
+
+def wait_for(predicate, timeout_s: float) -> float:
+    started = time.monotonic()
+    while not predicate():
+        assert time.monotonic() - started < timeout_s, "condition not reached in time"
+        time.sleep(0.01)
+    return time.monotonic() - started
+
+
+class MemoryStore:
+    """The store surface the heartbeat uses, in memory; its peers' counters move while ``beating``."""
+
+    def __init__(self, startup_done: int = 0) -> None:
+        self.values: dict[str, int] = {STARTUP_DONE_KEY: startup_done}
+        self.beating = True
+
+    def add(self, key: str, amount: int) -> int:
+        if key.startswith("afd/heartbeat/") and self.beating:
+            amount = max(amount, 1)  # every peer beats each time it is read
+        self.values[key] = self.values.get(key, 0) + amount
+        return self.values[key]
+
+
+class FakeEvent:
+    """``torch.cuda.Event``'s surface: done once the fake device got past it."""
+
+    def __init__(self, device: FakeDevice) -> None:
+        self.device, self.position = device, None
+
+    def record(self) -> None:
+        self.device.recorded += 1
+        self.position = self.device.recorded
+
+    def query(self) -> bool:
+        return self.position is not None and self.position <= self.device.finished
+
+
+class FakeDevice:
+    def __init__(self) -> None:
+        self.recorded = self.finished = 0
+        self.created = 0
+        self.capturing = False
+
+    def new_event(self) -> FakeEvent:
+        self.created += 1
+        return FakeEvent(self)
+
+
+# ---- store calls under a deadline ----------------------------------------------------------------
+
+
+def test_call_within_returns_raises_or_expires_on_time():
+    assert call_within(lambda: 7, 1.0, lambda: AssertionError("expired")) == 7
+    with pytest.raises(KeyError):
+        call_within(lambda: {}["x"], 1.0, lambda: AssertionError("expired"))
+    release = threading.Event()
+    started = time.monotonic()
+    with pytest.raises(AFDPeerLostError, match="stopped"):
+        call_within(release.wait, 0.3, lambda: AFDPeerLostError("stopped"))
+    release.set()
+    assert 0.3 <= time.monotonic() - started < 1.5
+
+
+@pytest.fixture
+def stopped_store_host():
+    """(port, stop, cont): a TCPStore hosted by a child process, and its SIGSTOP / SIGCONT."""
+    port = free_port()
+    child = subprocess.Popen([sys.executable, "-c", (
+        "import datetime, sys, time\nfrom torch.distributed import TCPStore\n"
+        f"s = TCPStore('127.0.0.1', {port}, is_master=True, wait_for_workers=False, use_libuv=False, "
+        "timeout=datetime.timedelta(seconds=60))\nprint('up', flush=True)\ntime.sleep(120)\n")],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "up"
+        yield port, lambda: os.kill(child.pid, signal.SIGSTOP), lambda: os.kill(child.pid, signal.SIGCONT)
+    finally:
+        os.kill(child.pid, signal.SIGCONT)
+        child.kill()
+        child.wait()
+
+
+def test_a_stopped_store_host_ends_the_rendezvous_wait_within_the_call_bound(stopped_store_host):
+    """Regression: the rendezvous's store calls took torch's client timeout on trust, which a stopped host
+    never honours: an attention re-forming against a SIGSTOPped FFN waited until SIGCONT."""
+    port, stop, cont = stopped_store_host
+    spec = RendezvousSpec(place("attention"), "127.0.0.1", port, timeout_s=60.0, call_timeout_s=0.5)
+    rendezvous = Rendezvous(spec)
+    rendezvous.connect()
+    assert rendezvous.claim()
+    stop()
+    started = time.monotonic()
+    with pytest.raises(AFDPeerLostError) as raised:
+        rendezvous.wait_for_keys([rank_key("ready", "ffn", 0)], "waiting for the other ranks' channels")
+    took = time.monotonic() - started
+    rendezvous.leave()  # withdraws nothing from a store that stopped answering, and returns at once
+    left = time.monotonic() - started - took
+
+    assert 0.5 <= took < 3.0, took
+    assert left < 0.5, left
+    assert str(raised.value).startswith(
+        f"AFD peer lost: the rendezvous store at 127.0.0.1:{port} (hosted by ffn rank 0) did not answer attention "
+        "rank 0's store call within 0.5s (peer_timeout_s); ffn rank 0's process is stopped or stuck")
+    cont()
+
+
+def test_torch_store_client_ignores_its_timeout_against_a_stopped_host(stopped_store_host):
+    """Why the bound is taken from outside: the fact the design rests on, re-measured on this torch."""
+    port, stop, cont = stopped_store_host
+    client = TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False,
+                      timeout=datetime.timedelta(seconds=0.5))
+    client.add("k", 1)
+    stop()
+    time.sleep(0.2)  # the signal is delivered
+    outcome: list = []
+    worker = threading.Thread(target=lambda: outcome.append(client.add("k", 1)), daemon=True)
+    worker.start()
+    worker.join(2.0)  # four times the client's timeout
+    blocked = worker.is_alive()
+    cont()
+    worker.join(5.0)
+
+    assert blocked, "torch's client now honours its timeout against a stopped host: call_within may go"
+    assert outcome == [2]
+
+
+# ---- the watchdog watched ------------------------------------------------------------------------
+
+
+class StuckProgress:
+    """Device progress whose poll blocks once ``stuck`` is set: the watchdog thread stuck in a call."""
+
+    def __init__(self) -> None:
+        self.stuck, self.release = threading.Event(), threading.Event()
+
+    def record(self, step_seq):
+        pass
+
+    def overdue(self, now, bound_s):
+        if self.stuck.is_set():
+            self.release.wait()
+        return None
+
+
+def test_a_watchdog_thread_stuck_in_a_call_is_reported_by_its_monitor():
+    progress = StuckProgress()
+    latch = FailureLatch(lambda: None, None)
+    watchdog = Watchdog(MemoryStore(), WatchdogSpec(place("attention"), 0.5, 30.0, "h:1"), latch, progress=progress)
+    watchdog.start()
+    time.sleep(1.0)  # two peer timeouts of healthy ticking
+    assert latch.failure is None
+    progress.stuck.set()
+    elapsed = wait_for(lambda: latch.failure is not None, 5.0)
+    progress.release.set()
+    watchdog.stop()
+
+    assert 0.4 <= elapsed <= 0.5 + 3 * watchdog.interval_s + 0.5, elapsed
+    assert isinstance(latch.failure, AFDWatchdogStalledError)
+    assert str(latch.failure).startswith(
+        "AFD watchdog stalled: on attention rank 0, its watchdog thread has not ticked for ")
+
+
+def test_a_failure_callback_that_hangs_delays_the_abort_by_its_bound_only():
+    release, aborted = threading.Event(), threading.Event()
+    latch = FailureLatch(aborted.set, None, on_failure=lambda exc: release.wait())
+    started = time.monotonic()
+
+    latch.fail(AFDPeerLostError("gone"))
+
+    assert aborted.wait(NOTIFY_JOIN_S + 3.0)
+    release.set()
+    assert NOTIFY_JOIN_S - 0.1 <= time.monotonic() - started < NOTIFY_JOIN_S + 2.0
+
+
+# ---- device progress -----------------------------------------------------------------------------
+
+
+def test_device_progress_reports_the_oldest_pending_event_after_the_bound_and_reuses_events():
+    device, now = FakeDevice(), [0.0]
+    progress = DeviceProgress(device.new_event, clock=lambda: now[0], max_pending=3)
+
+    progress.record(1)
+    now[0] = 1.0
+    progress.record(2)
+    assert progress.overdue(now=1.5, bound_s=2.0) is None  # pending, within the bound
+    assert progress.overdue(now=2.5, bound_s=2.0) == (1, 2.5)  # step 1's event: the oldest
+    device.finished = 1  # the device got past step 1's event
+    assert progress.overdue(now=2.5, bound_s=2.0) is None  # step 2's: 1.5 s pending
+    assert progress.overdue(now=3.5, bound_s=2.0) == (2, 2.5)
+    device.finished = 2
+    assert progress.overdue(now=9.0, bound_s=2.0) is None
+    for step in (3, 4, 5, 6):  # two freed events serve steps 3 and 4; the pending cap skips step 6
+        progress.record(step)
+    assert device.created == 3 and device.recorded == 5
+
+
+def test_device_progress_records_nothing_while_a_graph_is_captured():
+    device = FakeDevice()
+    progress = DeviceProgress(device.new_event, capturing=lambda: device.capturing)
+    device.capturing = True
+    progress.record(1)
+    assert device.recorded == 0 and progress.overdue(now=1e9, bound_s=0.0) is None
+
+
+def test_cpu_has_no_device_progress():
+    assert make_progress(torch.device("cpu")) is NULL_PROGRESS
+    NULL_PROGRESS.record(3)
+    assert NULL_PROGRESS.overdue(now=1e9, bound_s=0.0) is None
+
+
+def test_a_hung_device_wait_is_a_step_timeout_within_the_bound():
+    """A device wait the host cannot see (an NCCL receive enqueued, a replayed graph): the step's event stays
+    pending, and the watchdog reports it like a late step, naming the device."""
+    device = FakeDevice()
+    latch = FailureLatch(lambda: None, None)
+    spec = WatchdogSpec(place("attention"), peer_timeout_s=60.0, step_timeout_s=0.5, address="h:1")
+    watchdog = Watchdog(MemoryStore(startup_done=1), spec, latch, progress=DeviceProgress(device.new_event))
+    watchdog.start()
+    wait_for(lambda: watchdog.armed, 3.0)
+    watchdog._progress.record(41)  # the host moved on: no step or transfer is open
+    elapsed = wait_for(lambda: latch.failure is not None, 5.0)
+    watchdog.stop()
+
+    assert 0.5 <= elapsed <= 0.5 + 2 * watchdog.interval_s + 0.5, elapsed
+    assert isinstance(latch.failure, AFDStepTimeoutError)
+    assert str(latch.failure).startswith(
+        "AFD step 41: the device of attention rank 0 has not finished the work enqueued before it for ")
+    assert "(step_timeout_s=0.5, ffn peer rank 0)" in str(latch.failure)
+
+
+# ---- start-up bound ------------------------------------------------------------------------------
+
+
+def test_before_steps_are_timed_a_stuck_step_meets_the_startup_bound():
+    """Regression: before every attention rank flagged start-up done nothing timed a step, so a peer stuck
+    during profiling or capture hung this rank for good."""
+    latch = FailureLatch(lambda: None, None)
+    spec = WatchdogSpec(place("ffn"), peer_timeout_s=60.0, step_timeout_s=0.1, address="h:1", startup_timeout_s=0.6)
+    watchdog = Watchdog(MemoryStore(startup_done=0), spec, latch)
+    watchdog.start()
+    watchdog.step_opened(0)
+    watchdog.transfer_started("a2f receive from attention rank 0")
+    elapsed = wait_for(lambda: latch.failure is not None, 5.0)
+    watchdog.stop()
+
+    assert not watchdog.armed
+    assert 0.6 <= elapsed <= 0.6 + 2 * watchdog.interval_s + 0.5, elapsed
+    assert isinstance(latch.failure, AFDStepTimeoutError)
+    message = str(latch.failure)
+    assert "did not complete within startup_timeout_s=0.6, before step timeouts are armed" in message
+    assert message.endswith("lower startup_timeout_s to surface a stall sooner")
+
+
+def test_a_process_resumed_from_sigstop_finds_no_stall_of_its_own():
+    """Regression: after SIGCONT the FFN's monitor saw its watchdog thread 15 s behind by the clock (the whole
+    process had been stopped) and failed the FFN. Stalls are counted in the threads' own loops."""
+    offset = [0.0]
+    latch = FailureLatch(lambda: None, None)
+    spec = WatchdogSpec(place("ffn"), peer_timeout_s=0.5, step_timeout_s=30.0, address="h:1")
+    watchdog = Watchdog(MemoryStore(startup_done=1), spec, latch, clock=lambda: time.monotonic() + offset[0])
+    watchdog.start()
+    time.sleep(0.3)
+    offset[0] = 15.0  # what every thread's clock says once the process runs again
+    time.sleep(1.0)  # two peer timeouts of running after the jump
+    watchdog.stop()
+
+    assert latch.failure is None, latch.failure
+
+
+def test_a_late_error_of_the_old_channels_fails_the_pairing_it_belongs_to():
+    """Regression: after a thaw the old gloo send timed out while the healing re-formation ran; it failed the
+    new pairing's latch, so the re-formation gave up and the attention stopped serving."""
+    placement = make_placement("attention", 0, 1, 1)
+    connector = make_connector(make_spec(free_port()), placement, transport=QueueTransport(new_wire()))
+    old_latch = connector._latch
+    new_latch = FailureLatch(lambda: None, None)
+
+    def send_while_a_reformation_swaps_the_latch():
+        connector._latch = new_latch  # what reform() does on the healing thread
+        raise RuntimeError("Timed out waiting 15000ms for send operation to complete")
+
+    with pytest.raises(AFDPeerLostError, match="control send to ffn rank 0 failed"):
+        connector._call("control send to ffn rank", 0, send_while_a_reformation_swaps_the_latch)
+
+    assert isinstance(old_latch.failure, AFDPeerLostError)
+    assert new_latch.failure is None
+    old_latch.close()
