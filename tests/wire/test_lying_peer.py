@@ -104,7 +104,7 @@ def test_the_ffn_process_ends_a_lying_peer_with_a_python_error_not_an_abort(pool
     port = free_port()
 
     (ffn_status, ffn_result), (attention_status, _) = pool.run(
-        lambda_free_target, [(port, scenario, "ffn"), (port, scenario, "attention")], timeout_s=120.0)
+        rank_body, [(port, scenario, "ffn"), (port, scenario, "attention")], timeout_s=120.0)
 
     assert ffn_status == "ok", (ffn_status, ffn_result)  # "exit" with -6 would be gloo's abort
     if SCENARIOS[scenario] == "accepted":
@@ -114,5 +114,6 @@ def test_the_ffn_process_ends_a_lying_peer_with_a_python_error_not_an_abort(pool
     assert attention_status == "ok"
 
 
-def lambda_free_target(port: int, scenario: str, role: str) -> str:
+def rank_body(port: int, scenario: str, role: str) -> str:
+    """The pool's target: the FFN receiver or the lying attention."""
     return (ffn_receiver if role == "ffn" else lying_attention)(port, scenario)
