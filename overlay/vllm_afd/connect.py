@@ -157,6 +157,7 @@ def build_fingerprint(vllm_config: VllmConfig, afd_config: AFDConfig, placement:
         connector=afd_config.connector,
         compute_gate_on_attention=afd_config.compute_gate_on_attention,
         num_stages=afd_config.num_stages,
+        integrity=afd_config.integrity,
         max_rows=max_exchange_rows(vllm_config),
         overlay_version=overlay_version,
         vllm_version=vllm.__version__,
@@ -186,6 +187,9 @@ def build_connector(
     found = load_secret(afd_config.secret_file)
     secret = None if found is None else Secret(*found)
     fingerprint = build_fingerprint(vllm_config, afd_config, placement)
+    if afd_config.integrity and fingerprint.graph_mode != "eager":
+        raise ValueError(f"AFD integrity=true checks every message on the host, so it runs eager only; got graph mode "
+                         f"{fingerprint.graph_mode}. Pass --enforce-eager or leave integrity off")
     gate_on_attention = afd_config.compute_gate_on_attention
     spec = ConnectorSpec(
         name=afd_config.connector,
@@ -197,6 +201,7 @@ def build_connector(
         rendezvous_timeout_s=afd_config.rendezvous_timeout_s,
         step_timeout_s=afd_config.step_timeout_s,
         peer_timeout_s=afd_config.peer_timeout_s,
+        startup_timeout_s=afd_config.startup_timeout_s,
         exchanges_per_stage=(
             fingerprint.layer_kinds.count("M") if gate_on_attention else fingerprint.num_hidden_layers
         ),
@@ -205,6 +210,7 @@ def build_connector(
         max_rows=max_exchange_rows(vllm_config),
         timeline_clock=timeline_clock(afd_config, device.type),
         num_stages=afd_config.num_stages,
+        integrity=afd_config.integrity,
     )
     factory = TRANSPORTS[afd_config.connector]
     reform = afd_config.reform_timeout_s > 0 and (

@@ -87,8 +87,11 @@ BAD_VALUES = {
     "timeout-negative": ({"step_timeout_s": -1}, "step_timeout_s must be positive and finite, got -1.0"),
     "timeout-inf": ({"peer_timeout_s": "inf"}, "peer_timeout_s must be positive and finite, got inf"),
     "timeout-nan": ({"peer_timeout_s": float("nan")}, "peer_timeout_s must be positive and finite, got nan"),
+    "startup-timeout-zero": ({"startup_timeout_s": 0}, "startup_timeout_s must be positive and finite, got 0"),
     "extra-non-empty": ({"connector_extra_config": {"buffer": 1}},
                         "P2pNcclAFDConnector does not support connector_extra_config"),
+    "integrity-ipc": ({"connector": "P2pIpcAFDConnector", "integrity": True},
+                      "integrity=true is not supported with P2pIpcAFDConnector"),
 }
 BAD_CONFIGS = [(key, raw, TypeError, text) for key, (raw, text) in BAD_TYPES.items()] + [
     (key, raw, ValueError, text) for key, (raw, text) in BAD_VALUES.items()
@@ -157,7 +160,8 @@ def test_defaults_match_the_spec_table():
         role="attention", connector="P2pNcclAFDConnector", host="127.0.0.1", port=1239, num_attention_ranks=1,
         num_ffn_ranks=1, compute_gate_on_attention=False, num_stages=1, min_tokens_per_stage=4,
         connector_extra_config={}, rendezvous_timeout_s=300.0,
-        step_timeout_s=120.0, peer_timeout_s=5.0, reform_timeout_s=600.0, timeline_dir="", secret_file="",
+        step_timeout_s=120.0, peer_timeout_s=5.0, startup_timeout_s=1800.0, reform_timeout_s=600.0, timeline_dir="",
+        secret_file="", integrity=False,
     )
 
 
@@ -333,9 +337,10 @@ _seconds = st.floats(min_value=1e-3, max_value=1e6, allow_nan=False, allow_infin
 @st.composite
 def afd_mappings(draw):
     num_attention_ranks = draw(st.integers(1, 64))
+    connector = draw(st.sampled_from(CONNECTORS))
     return {
         "role": draw(st.sampled_from(ROLES)),
-        "connector": draw(st.sampled_from(CONNECTORS)),
+        "connector": connector,
         "host": draw(_hosts),
         "port": draw(st.integers(1, 65535)),
         "num_attention_ranks": num_attention_ranks,
@@ -347,9 +352,11 @@ def afd_mappings(draw):
         "rendezvous_timeout_s": draw(_seconds),
         "step_timeout_s": draw(_seconds),
         "peer_timeout_s": draw(_seconds),
+        "startup_timeout_s": draw(_seconds),
         "reform_timeout_s": draw(st.just(0.0) | _seconds),
         "timeline_dir": draw(st.sampled_from(["", "/tmp/afd-timeline", "rel/dir"])),
         "secret_file": "",  # a path must name a readable file: tests/overlay/test_config_secret_file.py
+        "integrity": draw(st.booleans()) if connector != "P2pIpcAFDConnector" else False,
     }
 
 

@@ -258,3 +258,17 @@ def test_the_carried_parse_survives_pickling():
 def test_afd_config_of_requires_afd():
     with pytest.raises(ValueError, match='remote ffn requires additional_config\\["afd"\\]'):
         afd_config_of({"some_other_plugin": {}}, "remote ffn")
+
+
+def test_the_fingerprint_carries_max_rows_and_integrity_and_the_spec_follows(model_dir):
+    from vllm_afd.connect import max_exchange_rows
+
+    vllm_config = make_vllm_config(model_dir, role="attention", port=free_port(), integrity=True, **GLOO)
+
+    connector = build_connector(vllm_config, parse_afd_config(vllm_config), Placement("attention", 0, 1, 1),
+                                torch.device("cpu"))
+
+    assert connector.fingerprint.max_rows == connector.spec.max_rows == max_exchange_rows(vllm_config) > 0
+    assert connector.fingerprint.integrity is connector.spec.integrity is True
+    assert connector.integrity.enabled
+    connector.close()

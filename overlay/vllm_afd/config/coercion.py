@@ -125,7 +125,9 @@ COERCERS: dict[str, Callable[[str, Any], Any]] = {
     "rendezvous_timeout_s": _coerce_seconds,
     "step_timeout_s": _coerce_seconds,
     "peer_timeout_s": _coerce_seconds,
+    "startup_timeout_s": _coerce_seconds,
     "reform_timeout_s": _coerce_seconds,
     "timeline_dir": _coerce_str,
     "secret_file": _coerce_str,
+    "integrity": _coerce_bool,
 }

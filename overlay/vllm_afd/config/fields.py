@@ -49,6 +49,9 @@ class AFDConfig:
     step_timeout_s: float = 120.0
     # A peer whose heartbeat is unchanged this long, in seconds, is lost.
     peer_timeout_s: float = 5.0
+    # Bound on one step, transfer or device wait before step timeouts are armed (profile, warm-up, graph
+    # capture, the first forwards' compilation), in seconds: generous, since compilation can take minutes.
+    startup_timeout_s: float = 1800.0
     # After losing the peer, wait this long, in seconds, for it to return and pair again: the FFN re-forms,
     # an eager attention heals (docs/connection.md#re-forming, #healing-attention); 0 = end on a lost peer.
     reform_timeout_s: float = 600.0
@@ -57,6 +60,9 @@ class AFDConfig:
     # File holding the shared secret both roles prove at pairing (docs/security.md); "" = VLLM_AFD_SECRET, or
     # none. Only the path is configuration: the secret is read by the connector, never logged or hashed.
     secret_file: str = ""
+    # Seal every data message with a header (step, exchange, stage, rows, bytes) and a CRC-32, checked on receipt
+    # (docs/protocol.md#integrity-mode); equal on both roles (the handshake compares it). Gloo, or NCCL eager.
+    integrity: bool = False
 
     def __post_init__(self) -> None:
         # Direct construction obeys the same coercion and rules as parsing (idempotent for parsed input).

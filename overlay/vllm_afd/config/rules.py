@@ -62,7 +62,7 @@ def check_values(values: Mapping[str, Any], *, async_dp: bool, expected_role: st
         raise ValueError(
             f"AFD port must be in 1..65535, got {values['port']}; pick a free TCP port on FFN rank 0"
         )
-    for name in ("rendezvous_timeout_s", "step_timeout_s", "peer_timeout_s"):
+    for name in ("rendezvous_timeout_s", "step_timeout_s", "peer_timeout_s", "startup_timeout_s"):
         seconds = values[name]
         if not (math.isfinite(seconds) and seconds > 0):
             raise ValueError(f"{name} must be positive and finite, got {seconds!r}; pass seconds > 0")
@@ -73,6 +73,11 @@ def check_values(values: Mapping[str, Any], *, async_dp: bool, expected_role: st
             "peer to return after a loss, or 0 to end instead"
         )
     check_p2p_extra_config(connector, values["connector_extra_config"])
+    if values["integrity"] and connector == "P2pIpcAFDConnector":
+        raise ValueError(
+            "AFD integrity=true is not supported with P2pIpcAFDConnector (its slots hold no seals); use "
+            "P2pNcclAFDConnector or P2pGlooAFDConnector, or leave integrity off"
+        )
     if values["secret_file"]:
         check_secret_file(values["secret_file"])  # step 13: readable, regular, non-empty; its content is never shown
 
