@@ -25,6 +25,7 @@ from vllm_afd.attention.stages import stage_sizes, stages_for_step  # noqa: E402
 from vllm_afd.attention.step import AttentionStep  # noqa: E402
 
 CAPTURE_SIZES = [1, 2, 4, 8, 16]
+SIDE = SimpleNamespace(batch_descriptor=None)  # a forward context without a batch descriptor
 
 
 class Publishes:
@@ -246,7 +247,7 @@ def test_a_split_capture_publishes_every_stage_and_leaves_the_arm_to_the_micro_b
 
     assert connector.published == [({0: [2, 2], 1: [2, 2], 2: [4, 4]},
                                      {"is_warmup": warmup, "is_graph_capturing": not warmup})]
-    assert arm.stage_of(False) is None
+    assert arm.stage_of(SIDE) is None
 
 
 def test_a_one_stage_capture_publishes_stage_zero_and_arms_its_forward():
@@ -256,7 +257,7 @@ def test_a_one_stage_capture_publishes_stage_zero_and_arms_its_forward():
     manager.before_capture_forward(capture_desc(2, 1), False)
 
     assert connector.published == [({0: [2]}, {"is_warmup": False, "is_graph_capturing": True})]
-    assert arm.stage_of(False) == 0 and arm.stage_of(False) is None
+    assert arm.stage_of(SIDE) == 0 and arm.stage_of(SIDE) is None
 
 
 @given(num_tokens=st.integers(1, 64), num_stages=st.integers(1, 3))
@@ -289,12 +290,12 @@ def test_the_micro_batch_runner_arms_one_stage_per_context_it_builds(monkeypatch
     arm = CaptureArm()
     seen = []
     # vLLM's prepare builds the k stage contexts (no batch descriptor) in stage order.
-    monkeypatch.setattr(UBatchRunner, "prepare", lambda self, *a, **kw: [arm.stage_of(False) for _ in range(3)])
+    monkeypatch.setattr(UBatchRunner, "prepare", lambda self, *a, **kw: [arm.stage_of(SIDE) for _ in range(3)])
     runner = object.__new__(AFDUBatchRunner)
     runner.num_ubatches, runner.afd_arm = 3, arm
 
     seen.append(runner.prepare("input_batch", "block_tables", "slot_mappings"))
-    seen.append(arm.stage_of(False))  # a KV-connector side context afterwards
+    seen.append(arm.stage_of(SIDE))  # a KV-connector side context afterwards
 
     assert seen == [[0, 1, 2], None]
 

@@ -1,4 +1,4 @@
-"""The graph-manager subclass of the CUDA attention runner, and the arm of descriptor-less contexts.
+"""The graph-manager subclass of the CUDA attention runner, and the arm that tells which contexts run the model.
 
 vLLM's Model Runner V2 builds its `ModelCudaGraphManager` from the runner's class-valued
 `cudagraph_manager_cls` (patch `mrv2-add-cudagraph-manager-cls`), rebuilt for graph-memory
@@ -7,11 +7,17 @@ capture hook (patch `cudagraph-add-before-capture-forward`) fires before each wa
 each recorded forward, outside `torch.cuda.graph`: there it publishes the payload that
 makes the FFN run an eager step alongside the warm-up, or record its own graph.
 
-vLLM builds the forward context of a FULL warm-up or recorded forward without a batch
-descriptor, like the KV connector's side contexts, which run no model, and like the contexts of
-its micro-batches.  So the hook (or, for micro-batches, `AFDUBatchRunner.prepare`) arms the
-runner's `CaptureArm`: the next descriptor-less contexts are that forward's stages and get
-(published) sidecars; any other descriptor-less context gets none.
+Which forward contexts run the model, and as which stage, is the runner's `CaptureArm`: the
+capture hook arms it for the one context its forward builds next, and `AFDUBatchRunner.prepare`
+for the k micro-batch contexts vLLM's UBatchRunner builds in stage order; an armed context takes
+its stage whatever it carries.  Unarmed, a context with a batch descriptor is an executed step
+(stage 0) and one without is a side context that runs no model (the KV connector's), which gets
+no sidecar.  The arm comes first because the descriptor no longer tells a capture forward apart:
+up to 0.32 vLLM built a FULL warm-up or recorded forward's context without a descriptor, since
+0.33 `set_forward_context` attaches one whenever it is given a token count, which capture passes.
+On all three releases executed steps carry a descriptor, side contexts none, micro-batch contexts
+none, and no context is built between an arm and the contexts it is for
+(tests/attention/test_capture_arm.py builds them with vLLM's own code).
 
 With `num_stages` > 1 (docs/pingpong.md#41-model-runner-v2-cuda,
 docs/pingpong.md#9-cuda-graphs-full_decode_only) the manager also decides, per step, whether
@@ -24,28 +30,30 @@ from __future__ import annotations
 
 from typing import Any
 
+from vllm.forward_context import ForwardContext
 from vllm.v1.worker.gpu.cudagraph_utils import ModelCudaGraphManager
 
 from vllm_afd.attention.stages import stage_sizes
 
 
 class CaptureArm:
-    """Which descriptor-less forward contexts run the model, and as which stage (module docstring)."""
+    """Which forward contexts run the model, and as which stage (module docstring)."""
 
     def __init__(self) -> None:
         self._stages: list[int] = []
 
     def arm(self, num_stages: int = 1) -> None:
-        """The next `num_stages` descriptor-less contexts run stages 0, 1, … of one forward: a capture
-        hook's forward (1), or the micro-batches vLLM's UBatchRunner builds in stage order (k)."""
+        """The next `num_stages` contexts run stages 0, 1, … of one forward: a capture hook's forward (1),
+        or the micro-batches vLLM's UBatchRunner builds in stage order (k).  A new arm replaces a stale one."""
         self._stages = list(range(num_stages))
 
-    def stage_of(self, has_batch_descriptor: bool) -> int | None:
-        """The stage a new context runs, or None when it runs no model.  Executed steps carry a
-        descriptor (stage 0: a split step's own stages are armed); other contexts take the arm."""
-        if has_batch_descriptor:
-            return 0
-        return self._stages.pop(0) if self._stages else None
+    def stage_of(self, context: ForwardContext) -> int | None:
+        """The stage a new context runs, or None when it runs no model: an armed context takes the arm
+        (a capture forward carries a descriptor since vLLM 0.33, not before); else a descriptor means an
+        executed step (stage 0: a split step's own stages were armed and built before it)."""
+        if self._stages:
+            return self._stages.pop(0)
+        return 0 if context.batch_descriptor is not None else None
 
 
 class AFDModelCudaGraphManager(ModelCudaGraphManager):

@@ -90,6 +90,5 @@ class AFDAttentionModelRunner(AFDAttentionRunnerMixin, GPUModelRunner):
         )
 
     def _afd_context_stage(self, context: ForwardContext) -> int | None:
-        # FULL warm-up and capture forwards and micro-batch stages carry no batch descriptor, like
-        # KV-connector side contexts; the capture hook or the micro-batch runner arms them (capture.py).
-        return self.afd_capture_arm.stage_of(context.batch_descriptor is not None)
+        # The capture hook or the micro-batch runner arms the contexts of capture forwards and stages (capture.py).
+        return self.afd_capture_arm.stage_of(context)
