@@ -14,6 +14,9 @@
   stops, so it never runs beside an AFD deployment and no module starts a baseline of its own.
   test_plain_vllm runs first (`pytest_collection_modifyitems`) and tests the same servers live
   through `plain_outputs.serving(arch)`.
+* `plain_float32`: plain vLLM's float32 tokens on the tiny Qwen3-MoE for `POOL_PROMPTS` (batched, and the
+  first two one by one): the one baseline of every FFN pool module (test_afd_pool, test_afd_pool_healing,
+  test_afd_netns_pool), which run float32 (test_afd_pool.py says why).
 """
 
 from __future__ import annotations
@@ -31,6 +34,10 @@ HERE = pathlib.Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 
 VLLM_IMPORT_TIMEOUT_S = 300.0
+POOL_PROMPTS = ("Hello, my name is", "The capital of France is", "In a shocking finding,", "1 2 3 4 5",
+                "The experts said")
+POOL_MAX_TOKENS = 12
+FLOAT32 = ("--dtype", "float32")
 TIMING_LINES = pytest.StashKey[list[str]]()
 
 
@@ -150,6 +157,20 @@ def plain_outputs(
     return PlainBaseline(
         list(requests), lambda arch: vllm_server_factory(tiny_model_dir(arch), launcher="cli"), record_timing
     )
+
+
+@pytest.fixture(scope="session")
+def plain_float32(tiny_model_dir: Callable[[str], pathlib.Path], vllm_server_factory: Callable[..., object],
+                  record_timing: Callable[[str], None]) -> object:
+    """The FFN pool modules' one float32 baseline: a plain server started when first asked, stopped at once."""
+    from afd_harness.server import greedy_tokens
+
+    plain = vllm_server_factory(tiny_model_dir("qwen3_moe"), launcher="cli", extra_args=list(FLOAT32))
+    try:
+        record_timing(f"plain vLLM qwen3_moe float32: startup {plain.startup_s:.1f} s")
+        return greedy_tokens(plain.base_url, POOL_PROMPTS, POOL_MAX_TOKENS)  # a GreedyTokens
+    finally:
+        plain.stop()
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

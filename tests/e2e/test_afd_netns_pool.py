@@ -37,13 +37,10 @@ import pytest
 from afd_harness.afd import afd_args
 from afd_harness.metrics import scrape_ranks, wait_for
 from afd_harness.netns import PEER_IFNAME, TwoHosts, exec_prefix, leftovers, link_bytes, netns_unavailable_reason
-from afd_harness.server import ServerStartError, VllmServer, complete, complete_batch, cpu_server_env
+from afd_harness.server import ServerStartError, VllmServer, cpu_server_env, greedy_tokens
 
 pytestmark = pytest.mark.e2e
 
-PROMPTS = ["Hello, my name is", "The capital of France is", "In a shocking finding,",
-           "1 2 3 4 5", "The experts said"]
-MAX_TOKENS = 12
 FLOAT32 = ["--dtype", "float32"]
 ARCH = "qwen3_moe"
 # Each namespace is fresh, so fixed ports are free.
@@ -65,21 +62,6 @@ def two_hosts():
         yield plan.ffn, plan.attention
     left = leftovers(plan)
     assert not left, f"netns: {left} survived teardown; delete them with `ip netns del` / `ip link del`"
-
-
-@pytest.fixture(scope="module")
-def plain_float32(tiny_model_dir, vllm_server_factory):
-    """Plain vLLM's float32 tokens: (the prompts batched, the first two one by one)."""
-    plain = vllm_server_factory(tiny_model_dir(ARCH), launcher="cli", extra_args=FLOAT32)
-    try:
-        return greedy_tokens(plain.base_url)
-    finally:
-        plain.stop()
-
-
-def greedy_tokens(base_url: str) -> tuple[list, list]:
-    return ([g.token_ids for g in complete_batch(base_url, PROMPTS, MAX_TOKENS)],
-            [complete(base_url, p, MAX_TOKENS).token_ids for p in PROMPTS[:2]])
 
 
 def ffn_dp_args(host0_address: str, *, start_rank: int | None) -> list[str]:
@@ -140,7 +122,7 @@ def test_ffn_dp_ranks_on_two_hosts_equal_plain_float32(two_hosts, plain_float32,
     _, host1 = two_hosts
     before = link_bytes(host1.namespace, PEER_IFNAME)
 
-    tokens = greedy_tokens(pool["attention"].base_url)
+    tokens = greedy_tokens(pool["attention"].base_url, plain_float32.prompts, plain_float32.max_tokens)
 
     assert tokens == plain_float32
     # FFN rank 0's page: its own rank computed and is paired (the headless rank serves no /metrics).
@@ -152,7 +134,7 @@ def test_ffn_dp_ranks_on_two_hosts_equal_plain_float32(two_hosts, plain_float32,
     # generated token each way went over host 1's only link.
     rx, tx = (after - start for after, start in zip(link_bytes(host1.namespace, PEER_IFNAME), before))
     hidden = json.loads((tiny_model_dir(ARCH) / "config.json").read_text())["hidden_size"]
-    floor = MAX_TOKENS * hidden * 4
+    floor = plain_float32.max_tokens * hidden * 4
     assert rx >= floor and tx >= floor, (rx, tx, floor)
     for name in ("ffn0", "ffn1", "attention"):
         log = pool[name].log_path.read_text()

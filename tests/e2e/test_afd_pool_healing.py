@@ -22,25 +22,14 @@ import pytest
 import requests
 
 from afd_harness.afd import AFDDeployment
-from afd_harness.metrics import wait_for
-from afd_harness.server import complete_batch
+from afd_harness.metrics import scrape_ranks, wait_for
+from afd_harness.server import GreedyTokens, greedy_tokens
 
 pytestmark = pytest.mark.e2e
 
-PROMPTS = ["Hello, my name is", "The capital of France is", "In a shocking finding,",
-           "1 2 3 4 5", "The experts said"]
-MAX_TOKENS = 12
+PROMPTS = ["Hello, my name is", "The capital of France is", "In a shocking finding,"]  # the streams' prompts
 STREAM_TOKENS = 400
 FLOAT32 = ["--dtype", "float32"]
-
-
-@pytest.fixture(scope="module")
-def plain_float32(tiny_model_dir, vllm_server_factory) -> list:
-    plain = vllm_server_factory(tiny_model_dir("qwen3_moe"), launcher="cli", extra_args=FLOAT32)
-    try:
-        return [g.token_ids for g in complete_batch(plain.base_url, PROMPTS, MAX_TOKENS)]
-    finally:
-        plain.stop()
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +41,7 @@ def pool(tiny_model_dir, vllm_python, tmp_path_factory, plain_float32):
                         ffn_args=["--data-parallel-size", "2", "--enable-expert-parallel", *FLOAT32],
                         attention_cpus="1|1", ffn_cpus="0|0")
     with afd:
-        assert [g.token_ids for g in complete_batch(afd.attention.base_url, PROMPTS, MAX_TOKENS)] == plain_float32
+        assert greedy_tokens(afd.attention.base_url, plain_float32.prompts, plain_float32.max_tokens) == plain_float32
         yield afd
 
 
@@ -84,7 +73,7 @@ def kill_mid_stream(afd: AFDDeployment, server) -> list:
     return ended
 
 
-def restart_attention_under_the_pool(afd: AFDDeployment, plain_float32: list) -> None:
+def restart_attention_under_the_pool(afd: AFDDeployment, plain_float32: GreedyTokens) -> None:
     """Kill the attention mid-stream, restart it: both FFN DP ranks re-form, the FFN server never restarts."""
     ffn_pid = afd.ffn.process.pid
 
@@ -92,7 +81,7 @@ def restart_attention_under_the_pool(afd: AFDDeployment, plain_float32: list) ->
     waiting = wait_for(lambda: all(f"AFD ffn rank {rank}: lost the attention" in afd.ffn.log_path.read_text()
                                    for rank in (0, 1)), timeout_s=120.0)
     afd.attention.start()
-    tokens = [g.token_ids for g in complete_batch(afd.attention.base_url, PROMPTS, MAX_TOKENS)]
+    tokens = greedy_tokens(afd.attention.base_url, plain_float32.prompts, plain_float32.max_tokens)
     log = afd.ffn.log_path.read_text()
 
     assert "broken" in ended, ended
@@ -107,8 +96,9 @@ def restart_attention_under_the_pool(afd: AFDDeployment, plain_float32: list) ->
 
 def test_attention_dp2_killed_mid_stream_then_restarted_pairs_with_the_whole_running_pool(
         tiny_model_dir, vllm_python, tmp_path, plain_float32):
-    """The layout of tests/e2e/test_afd_pool.py (attention DP 2 on FFN DP 2 + EP), now with re-forming; first in
-    the file, so its deployment is gone before the module's `pool` starts."""
+    """2A2F (attention DP 2 on FFN DP 2 + EP), the stage-free control of tests/e2e/test_afd_pool.py: plain tokens
+    and both FFN ranks' compute on /metrics first, then the re-forming; first in the file, so its deployment is
+    gone before the module's `pool` starts."""
     afd = AFDDeployment(tiny_model_dir("qwen3_moe"), python=vllm_python, log_dir=tmp_path,
                         afd_fields={"num_attention_ranks": 2, "num_ffn_ranks": 2, "step_timeout_s": 60,
                                     "reform_timeout_s": 300},
@@ -116,6 +106,12 @@ def test_attention_dp2_killed_mid_stream_then_restarted_pairs_with_the_whole_run
                         ffn_args=["--data-parallel-size", "2", "--enable-expert-parallel", *FLOAT32],
                         attention_cpus="1|1", ffn_cpus="0|0")
     with afd:
+        served = greedy_tokens(afd.attention.base_url, plain_float32.prompts, plain_float32.max_tokens)
+        computed = [("afd_ffn_compute_seconds_count", "ffn", rank) for rank in "01"]
+        moved = wait_for(lambda: all(scrape_ranks(afd.ffn.base_url).get(key, 0) > 0 for key in computed))
+        page = scrape_ranks(afd.ffn.base_url)
+        assert served == plain_float32
+        assert moved and all(page[("afd_peer_up", "ffn", rank)] == 1.0 for rank in "01"), page
         restart_attention_under_the_pool(afd, plain_float32)
 
 
@@ -140,7 +136,7 @@ def test_ffn_pool_killed_mid_stream_then_restarted_under_the_same_attention(pool
     serving = wait_for(lambda: requests.post(
         f"{base_url}/v1/completions", timeout=30,
         json={"model": str(pool.model), "prompt": PROMPTS[0], "max_tokens": 1}).status_code == 200, timeout_s=180.0)
-    tokens = [g.token_ids for g in complete_batch(base_url, PROMPTS, MAX_TOKENS)] if serving else None
+    tokens = greedy_tokens(base_url, plain_float32.prompts, plain_float32.max_tokens) if serving else None
     log = pool.attention.log_path.read_text()
 
     assert "broken" in ended, ended

@@ -80,8 +80,6 @@ def test_a_valid_cpu_config_passes(model_dir):
     ({"role": "ffn", "num_attention_ranks": 2, "num_ffn_ranks": 2}, {},
      r"num_ffn_ranks \(2\) must equal ffn DP x TP \(1 x 1\)"),
     ({}, {"enable_lora": True}, "AFD does not support LoRA; disable --enable-lora"),
-    ({"role": "ffn", "num_attention_ranks": 2, "num_ffn_ranks": 2}, {"data_parallel_size": 2},
-     r"AFD FFN with --data-parallel-size 2: reform_timeout_s is 600; FFN data parallelism cannot re-form yet"),
 ])
 def test_unsupported_setups_are_refused_before_any_resource(model_dir, afd, engine_args, message):
     afd = {"connector": "P2pGlooAFDConnector", **afd}

@@ -434,3 +434,21 @@ def _generation(choice: dict, *, text_key: str) -> Generation:
     return Generation(
         choice[text_key] or "", choice["token_ids"], choice["finish_reason"], choice["prompt_token_ids"]
     )
+
+
+class GreedyTokens(NamedTuple):
+    """Greedy token ids of `prompts` from one server: all in one batch, and the first two one by one."""
+
+    prompts: tuple[str, ...]
+    max_tokens: int
+    batched: list[list[int]]
+    one_by_one: list[list[int]]
+
+
+def greedy_tokens(base_url: str, prompts: Sequence[str], max_tokens: int) -> GreedyTokens:
+    """`GreedyTokens` of `prompts` as the server at `base_url` answers them."""
+    return GreedyTokens(
+        tuple(prompts), max_tokens,
+        [g.token_ids for g in complete_batch(base_url, list(prompts), max_tokens)],
+        [complete(base_url, p, max_tokens).token_ids for p in prompts[:2]],
+    )
