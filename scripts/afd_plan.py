@@ -1,0 +1,209 @@
+#!/usr/bin/env python3
+"""Should I run AFD, and with which A:F?  A first-cut planner from a measured profile (docs/planner.md).
+
+    python scripts/afd_plan.py plan PROFILE.json --gpus 8 [--tpot-ms 50] [--context 8192] \
+        [--link nvlink|pcie|ib|eth|GB_S,US]
+    python scripts/afd_plan.py predict PROFILE.json --attention-ranks 1 --ffn-ranks 1 --stages 2 --batch 8
+    python scripts/afd_plan.py profile-from-timeline TIMELINE_DIR MODEL_DIR --context 512 --out PROFILE.json
+
+`plan` prints one table: the colocated baseline (the better of DP x EP and TP) first, then the other colocated
+layout and the AFD splits xA:yF at 1-3 stages, each at the batch with the most decode tok/s per GPU whose step
+(TPOT) stays within --tpot-ms; then the recommendation as `vllm serve` commands of both roles.  `predict` prints
+one deployment's step at one batch (the validation table of docs/planner.md).  Predictions, not measurements.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+from afd_planner.cost import CostModel
+from afd_planner.links import LINKS, Link, parse_link
+from afd_planner.profile import ProfileError, load_profile
+from afd_planner.search import Candidate, Plan, plan
+from afd_planner.timeline import profile_from_timeline
+
+AFD_MARGIN = 0.05  # AFD must beat the baseline by more than this share: the model's own error is about that
+ONE_NODE_LINKS = ("nvlink", "pcie")
+
+
+def table(result: Plan) -> str:
+    """The baseline first, the other colocated layout, then each AFD split at its best stage count (best first)."""
+    lines = ["| deployment | stages | batch / rank | TPOT ms | tok/s per GPU | ÷ baseline |",
+             "|---|---:|---:|---:|---:|---:|"]
+    base = result.baseline.tok_s_per_gpu
+    seen, splits = set(), []
+    for c in result.afd:
+        if c.label not in seen:
+            seen.add(c.label)
+            splits.append(c)
+    for c in [result.baseline, *(c for c in result.colocated if c is not result.baseline), *splits]:
+        name = f"colocated {c.label}" if c.kind == "colocated" else f"AFD {c.label}"
+        name += " (baseline)" if c is result.baseline else ""
+        batch = f"{c.batch}" + (" (max)" if c.batch == c.max_batch else "")
+        tpot = f"{c.step_ms:.2f}" + ("" if c.meets_tpot else " (over)")
+        lines.append(f"| {name} | {c.num_stages} | {batch} | {tpot} | {c.tok_s_per_gpu:,.0f} | "
+                     f"{c.tok_s_per_gpu / base:.2f} |")
+    return "\n".join(lines)
+
+
+def afd_commands(best: Candidate, model: str, link_name: str, host: str, port: int) -> list[str]:
+    """`vllm serve` of the FFN and the attention role for one AFD split (docs/config.md's keys)."""
+    connector = "P2pIpcAFDConnector" if link_name in ONE_NODE_LINKS else "P2pNcclAFDConnector"
+    x, y = best.attention_ranks, best.ffn_ranks
+    common = {"num_attention_ranks": x, "num_ffn_ranks": y, "num_stages": best.num_stages,
+              "connector": connector, "host": host, "port": port}
+    ffn = {"role": "ffn", **common}
+    # FFN DP > 1 runs eager, with reform_timeout_s 0, and the graph mode must match on both roles (config.md).
+    graphs = "--enforce-eager" if y > 1 else "--compilation-config '{\"cudagraph_mode\": \"FULL_DECODE_ONLY\"}'"
+    if y > 1:
+        ffn["reform_timeout_s"] = 0
+    ffn_dp = f" --data-parallel-size {y} --enable-expert-parallel" if y > 1 else ""
+    attention_dp = f" --data-parallel-size {x}" if x > 1 else ""
+    return [f"vllm serve {model} --port 8001{ffn_dp} {graphs} \\\n  --additional-config "
+            f"'{json.dumps({'afd': ffn})}'",
+            f"vllm serve {model} --port 8000{attention_dp} {graphs} \\\n  --additional-config "
+            f"'{json.dumps({'afd': {'role': 'attention', **common}})}'"]
+
+
+def recommendation(result: Plan, model: str, link_name: str, host: str, port: int) -> str:
+    best, base = result.best_afd, result.baseline
+    if result.afd_wins(AFD_MARGIN):
+        assert best is not None
+        ratio = best.tok_s_per_gpu / base.tok_s_per_gpu
+        lines = [f"Run AFD {best.label} with {best.num_stages} stage(s): {ratio:.2f}x "
+                 f"the colocated {base.label} per GPU (batch {best.batch} per attention rank, TPOT "
+                 f"{best.step_ms:.2f} ms).", "", "FFN role, then attention role (either may start first):", ""]
+        return "\n".join(lines + afd_commands(best, model, link_name, host, port))
+    why = ("no AFD split meets the TPOT bound" if best is None or not best.meets_tpot else
+           f"the best AFD split ({best.label}, {best.num_stages} stage(s)) reaches "
+           f"{best.tok_s_per_gpu / base.tok_s_per_gpu:.2f}x the colocated {base.label} per GPU; AFD is recommended "
+           f"above {1 + AFD_MARGIN:.2f}x (the model's error)")
+    if base.label.startswith("TP"):
+        flags = f"--tensor-parallel-size {result.gpus}"
+    else:
+        flags = f"--data-parallel-size {result.gpus} --enable-expert-parallel" if result.gpus > 1 else ""
+    lines = [f"Stay colocated: {why}.", "", f"vllm serve {model} {flags}".rstrip()]
+    if best is not None and best.meets_tpot:
+        lines += ["", f"AFD {best.label} anyway (FFN role, then attention role):", "",
+                  *afd_commands(best, model, link_name, host, port)]
+    return "\n".join(lines)
+
+
+def _model(args: argparse.Namespace):
+    profile = load_profile(args.profile)
+    if args.num_layers is not None:
+        profile = replace(profile, model=replace(profile.model, num_layers=args.num_layers))
+    link = parse_link(args.link) if args.link else None
+    collective = link or LINKS["nvlink"]
+    return profile, CostModel.from_profile(profile, link, collective), link, collective
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    profile, model, link, collective = _model(args)
+    context = args.context if args.context is not None else max(s.context for s in profile.attention)
+    result = plan(model, args.gpus, context, args.tpot_ms, args.max_batch, args.min_tokens_per_stage,
+                  memory=profile.memory)
+    wire = link.name if link else "the profile's measured transport"
+    bound = f"{args.tpot_ms:g} ms" if args.tpot_ms else "none"
+    print(f"{profile.model.name or 'model'} on {args.gpus} x {profile.device or 'GPU'}: {profile.model.num_layers} "
+          f"layers, context {context}, TPOT bound {bound}, A<->F wire {wire}, "
+          f"collectives {collective.name}; batch 1..{args.max_batch} per rank"
+          f"{', and what fits in memory' if profile.memory else ' (no memory in the profile)'}")
+    print()
+    print(table(result))
+    print()
+    link_name = args.link or "nvlink"
+    print(recommendation(result, args.model or profile.model.name or "MODEL", link_name, args.host, args.port))
+    return 0
+
+
+def cmd_predict(args: argparse.Namespace) -> int:
+    _, model, _, _ = _model(args)
+    context = args.context if args.context is not None else 0
+    if args.ffn_ranks == 0:
+        step = model.colocated_dp_ep_ms(args.attention_ranks, args.batch, context)
+        tokens = args.batch * args.attention_ranks
+        gpus = args.attention_ranks
+    else:
+        step = model.afd_ms(args.attention_ranks, args.ffn_ranks, args.stages, args.batch, context)
+        tokens = args.batch * args.attention_ranks
+        gpus = args.attention_ranks + args.ffn_ranks
+    print(f"step {step:.3f} ms, {tokens / step * 1e3:,.1f} tok/s ({tokens / step * 1e3 / gpus:,.1f} per GPU)")
+    if args.ffn_ranks:
+        a, f, t = model.afd_layer_costs(args.attention_ranks, args.ffn_ranks, args.batch / args.stages, context)
+        print(f"per layer and stage: attention {a:.4f}, FFN {f:.4f}, wire {t:.4f} ms")
+    return 0
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    body, notes = profile_from_timeline(args.timeline_dir, args.model_dir, args.context, args.device, args.num_layers)
+    args.out.write_text(json.dumps(body, indent=1) + "\n", encoding="utf-8")
+    for note in notes:
+        print(f"note: {note}")
+    print(f"wrote {args.out}")
+    return 0
+
+
+def parser() -> argparse.ArgumentParser:
+    root = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = root.add_subparsers(dest="command", required=True)
+
+    def profile_args(p: argparse.ArgumentParser) -> None:
+        p.add_argument("profile", type=Path)
+        p.add_argument("--context", type=int, help="tokens of context per request (default: the profile's largest)")
+        p.add_argument("--num-layers", type=int, help="crossing layers to plan for (default: the profile's)")
+        p.add_argument("--link", help=f"A<->F and collective wire: {', '.join(LINKS)} or GB_PER_S,LATENCY_US "
+                                      "(default: the profile's measured transport; collectives on nvlink)")
+
+    p = sub.add_parser("plan", help="rank colocated vLLM and AFD splits on N GPUs")
+    profile_args(p)
+    p.add_argument("--gpus", type=int, required=True)
+    p.add_argument("--tpot-ms", type=float, help="bound on the decode step (time per output token)")
+    p.add_argument("--max-batch", type=int, default=256, help="largest batch per attention rank (default 256)")
+    p.add_argument("--min-tokens-per-stage", type=int, default=4, help="as the AFD config key (default 4)")
+    p.add_argument("--model", help="model path for the printed commands (default: the profile's model name)")
+    p.add_argument("--host", default="127.0.0.1", help="FFN rank 0's address for the printed config")
+    p.add_argument("--port", type=int, default=6390, help="the rendezvous port for the printed config")
+    p.set_defaults(run=cmd_plan)
+
+    p = sub.add_parser("predict", help="one deployment's decode step at one batch")
+    profile_args(p)
+    p.add_argument("--attention-ranks", type=int, required=True, help="A (colocated: the GPUs)")
+    p.add_argument("--ffn-ranks", type=int, required=True, help="F; 0 = colocated DP x EP on A GPUs")
+    p.add_argument("--stages", type=int, default=1)
+    p.add_argument("--batch", type=int, required=True, help="requests per attention rank")
+    p.set_defaults(run=cmd_predict)
+
+    p = sub.add_parser("profile-from-timeline", help="a PROFILE.json from timeline files (docs/timeline.md)")
+    p.add_argument("timeline_dir", type=Path)
+    p.add_argument("model_dir", type=Path, help="the directory holding the model's config.json")
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--context", type=int, default=0, help="prompt tokens of the recorded requests (not in the records)")
+    p.add_argument("--device", default="", help="device name for the profile, e.g. 'NVIDIA H200'")
+    p.add_argument("--num-layers", type=int, help="crossing layers of the model to plan (default: config.json's)")
+    p.set_defaults(run=cmd_profile)
+    return root
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    for name in ("gpus", "max_batch", "batch", "attention_ranks", "stages", "min_tokens_per_stage", "num_layers"):
+        if getattr(args, name, 1) is not None and getattr(args, name, 1) < 1:
+            raise SystemExit(f"afd_plan: --{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if getattr(args, "stages", 1) > 3:
+        raise SystemExit(f"afd_plan: --stages must be 1, 2 or 3, got {args.stages}")
+    try:
+        return args.run(args)
+    except (ProfileError, ValueError) as exc:
+        raise SystemExit(f"afd_plan: {exc}") from None
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+
+
+__all__ = ["Link", "afd_commands", "main", "recommendation", "table"]
