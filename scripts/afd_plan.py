@@ -24,7 +24,6 @@ from afd_planner.cost import CostModel
 from afd_planner.links import LINKS, Link, parse_link
 from afd_planner.profile import ProfileError, load_profile
 from afd_planner.search import Candidate, Plan, plan
-from afd_planner.timeline import profile_from_timeline
 
 AFD_MARGIN = 0.05  # AFD must beat the baseline by more than this share: the model's own error is about that
 ONE_NODE_LINKS = ("nvlink", "pcie")
@@ -140,6 +139,10 @@ def cmd_predict(args: argparse.Namespace) -> int:
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
+    # NOTE: imported here: the converter reads timeline records through vllm_afd (its wire, no vLLM); `plan` and
+    # `predict` need nothing but this folder.
+    from afd_planner.timeline import profile_from_timeline
+
     body, notes = profile_from_timeline(args.timeline_dir, args.model_dir, args.context, args.device, args.num_layers)
     args.out.write_text(json.dumps(body, indent=1) + "\n", encoding="utf-8")
     for note in notes:
