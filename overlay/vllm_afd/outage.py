@@ -13,7 +13,9 @@ left in that directory by an earlier run, so a restarted server starts without o
 A healing attention (attention/healing.py) says so in its notice (it pairs again by itself when the
 FFN returns), removes the notice once paired again, and replaces it with the restart notice when it
 gives up; the engine core's fault responder (plugin.py) reads the notice to tell an AFD failure,
-which heals, from any other fault, which it leaves to vLLM.
+which heals, from any other fault, which it leaves to vLLM.  The notice is also the one fact every
+tensor-parallel rank of a server can read without a collective: the output rank's check after a step's
+device work asks whether any rank failed (``outage_probe``, attention/step_gate.py).
 
 A client reads the failure's kind only (``client_cause``): the connector's messages name hosts, ports,
 ranks and raw transport errors, which belong in the server log (the failure latch logs each failure whole,
@@ -30,7 +32,7 @@ from vllm_afd.wire.errors import (AFDAuthenticationError, AFDConfigMismatchError
 
 __all__ = [
     "OUTAGE_FILE", "clear_outage", "client_cause", "healing_message", "outage_message", "outage_notice_writer",
-    "read_outage", "record_outage",
+    "outage_probe", "read_outage", "record_outage",
 ]
 
 OUTAGE_FILE = "afd-attention-outage.txt"
@@ -103,6 +105,19 @@ def read_outage(directory: str) -> str | None:
             return notice.read()
     except FileNotFoundError:
         return None
+
+
+def outage_probe(directory: str | None) -> Callable[[], bool]:
+    """Whether a rank of this server recorded an AFD failure (one stat of its notice); always False without
+    a directory.  The attention's output check asks it (docs/failures.md#23-no-token-from-an-aborted-step)."""
+    if directory is None:
+        return _no_outage
+    path = os.path.join(directory, OUTAGE_FILE)
+    return lambda: os.path.exists(path)
+
+
+def _no_outage() -> bool:
+    return False
 
 
 def clear_outage(directory: str) -> None:

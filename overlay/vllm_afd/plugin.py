@@ -9,8 +9,8 @@ registers three things through official seams:
   `additional_config["afd"]` is present; then it validates the AFD config, picks the
   role's worker class while `worker_cls` is still "auto", applies the role defaults
   (the FFN's front-end request veto; the attention server's keep-alive on engine death,
-  its 503 veto while the engine is down after an AFD failure, outage.py, and vLLM's fault
-  tolerance where it can heal a lost FFN, attention/healing.py)
+  its 503 for requests and /health while the engine is down or heals after an AFD failure,
+  outage.py, and vLLM's fault tolerance where it can heal a lost FFN, attention/healing.py)
   and, in the root process, exposes the workers' AFD metrics on /metrics (metrics.py);
 * an engine-core fault responder (patch `engine-core-sentinel-add-fault-responders`) that
   answers an AFD failure with an immediate retry; inert for any other fault and without AFD.
@@ -190,14 +190,16 @@ _outage_veto_installed = False
 
 
 def _install_attention_outage_veto() -> None:
-    """While the attention's engine is down after an AFD failure, answer HTTP 503 naming the cause
-    (outage.py); a server's root process first drops a notice an earlier run left behind."""
+    """While the attention's engine is down or heals after an AFD failure, answer generation requests and
+    ``/health`` with HTTP 503 naming the cause (outage.py); a server's root process first drops a notice an
+    earlier run left behind."""
     global _outage_veto_installed
     if _outage_veto_installed:
         return
     import multiprocessing
 
     from vllm.entrypoints.serve.engine.serving import register_request_veto
+    from vllm.entrypoints.serve.instrumentator.health import register_health_veto
 
     from vllm_afd.metrics import metrics_dir
     from vllm_afd.outage import clear_outage
@@ -206,10 +208,16 @@ def _install_attention_outage_veto() -> None:
     if directory is not None and multiprocessing.parent_process() is None:
         clear_outage(directory)
     register_request_veto(_veto_during_outage)
+    register_health_veto(_outage_refusal)
     _outage_veto_installed = True
 
 
 def _veto_during_outage(request: object) -> Exception | None:
+    return _outage_refusal()
+
+
+def _outage_refusal() -> Exception | None:
+    """The 503 of an outage (the same answer for a request and for ``/health``), or None while serving."""
     from http import HTTPStatus
 
     from vllm.exceptions import GracefulHTTPError

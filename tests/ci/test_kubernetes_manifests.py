@@ -342,7 +342,7 @@ def _break_ready_addresses(documents):
 
 
 def _break_probe_endpoint(documents):
-    container(pools(documents)["attention"])["livenessProbe"]["httpGet"]["path"] = "/v1/models"
+    container(pools(documents)["attention"])["readinessProbe"]["httpGet"]["path"] = "/v1/models"
 
 
 def _break_probe_port(documents):

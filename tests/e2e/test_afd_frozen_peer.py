@@ -5,13 +5,16 @@ attention is bounded, so a peer that stops answering without closing anything is
 SIGSTOP stops every process of the FFN server, the rendezvous store's host (FFN rank 0) among them: its
 TCP connections stay open and its kernel still accepts connections, so nothing fails on its own; only
 the attention's bounds (the watchdog's judgement, each store call's deadline, the transfer bound) can
-end its waits.  One 1A1F deployment of the tiny Qwen3-MoE serves both cases: the FFN thawed
+end its waits.  While it heals, its ``/health`` answers the 503 its requests get (patch
+``health-add-health-veto``: it fails readiness, docs/operations.md#probes), and 200 again once it serves.
+One 1A1F deployment of the tiny Qwen3-MoE serves both cases: the FFN thawed
 (SIGCONT), then the FFN frozen again and replaced (kill, restart).  The checks gate on progress
 (chunks streamed, samples scraped), never on fixed sleeps.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
@@ -68,11 +71,13 @@ def probe(base_url: str, model: str) -> tuple[int, str, float]:
     return response.status_code, response.text, time.monotonic() - started
 
 
-def health(base_url: str) -> int:
+def health(base_url: str) -> tuple[int, str]:
+    """``/health``'s status and body; status 0 when it did not answer within 5 s."""
     try:
-        return requests.get(f"{base_url}/health", timeout=5).status_code
-    except requests.RequestException:
-        return 0
+        response = requests.get(f"{base_url}/health", timeout=5)
+    except requests.RequestException as exc:
+        return 0, str(exc)
+    return response.status_code, response.text
 
 
 def freeze_mid_stream(afd: AFDDeployment) -> dict[str, float]:
@@ -94,14 +99,17 @@ def freeze_mid_stream(afd: AFDDeployment) -> dict[str, float]:
     peer_down_s = time.monotonic() - frozen_at
     status, body, took_s = probe(base_url, model)
     answered_s = time.monotonic() - frozen_at
+    health_status, health_body = health(base_url)
     streamer.join(STEP_TIMEOUT_S + 60.0)
     print(f"frozen FFN: afd_peer_up 0 after {peer_down_s:.1f} s, a new request answered {status} in "
           f"{took_s:.1f} s ({answered_s:.1f} s after the freeze), the stream ended after "
-          f"{(ended[0] - frozen_at) if ended else float('nan'):.1f} s, /health {health(base_url)}")
+          f"{(ended[0] - frozen_at) if ended else float('nan'):.1f} s, /health {health_status}")
 
     assert peer_down_s < DETECTED_WITHIN_S
     assert status == 503, (status, body, afd.attention.log_tail())
     assert "AFD attention server unavailable" in body and "re-forming" in body, body
+    # NOTE: the FFN is still stopped, so the attention still heals: /health fails readiness with the same answer.
+    assert (health_status, json.loads(health_body)) == (503, json.loads(body)), health_body
     assert answered_s < DETECTED_WITHIN_S + 5.0
     assert ended and ended[0] - frozen_at < DETECTED_WITHIN_S + 5.0, "the in-flight stream did not end"
     assert afd.attention.process.poll() is None
@@ -118,7 +126,7 @@ def serves_plain_again(afd: AFDDeployment, plain: list[list[int]]) -> float:
     assert greedy_batch(base_url) == plain
     page = scrape(base_url)
     assert (page[("afd_peer_up", "attention")], page[("afd_peer_lost", "attention")]) == (1.0, 0.0)
-    assert health(base_url) == 200
+    assert health(base_url)[0] == 200
     return took_s
 
 

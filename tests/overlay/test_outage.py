@@ -10,8 +10,8 @@ import pytest
 
 from vllm_afd import plugin
 from vllm_afd.metrics import METRICS_DIR_ENV, PROMETHEUS_DIR_ENV
-from vllm_afd.outage import (clear_outage, healing_message, outage_message, outage_notice_writer, read_outage,
-                             record_outage)
+from vllm_afd.outage import (clear_outage, healing_message, outage_message, outage_notice_writer, outage_probe,
+                             read_outage, record_outage)
 from vllm_afd.wire.errors import AFDAuthenticationError, AFDPeerLostError, AFDRendezvousTimeout
 from vllm_afd.wire.failure import FailureLatch
 
@@ -72,6 +72,31 @@ def test_the_attention_veto_answers_503_with_the_notice_while_it_exists(tmp_path
     assert refused.http_status == HTTPStatus.SERVICE_UNAVAILABLE
     assert refused.message.startswith("AFD attention server unavailable: its engine stopped after an AFD failure "
                                       "(AFD peer lost: AFDPeerLostError; the details are in the server log)")
+
+
+def test_health_answers_what_a_request_gets_while_the_attention_heals(tmp_path, monkeypatch):
+    """One outage, one answer: /health's veto (patch health-add-health-veto) and the request veto share it."""
+    monkeypatch.delenv(PROMETHEUS_DIR_ENV, raising=False)
+    monkeypatch.setenv(METRICS_DIR_ENV, str(tmp_path))
+
+    serving = plugin._outage_refusal()  # noqa: SLF001 - what the plugin registers as /health's veto
+    record_outage(str(tmp_path), healing_message(AFDPeerLostError("AFD peer lost: ffn rank 0 silent for 5.0s"), 600))
+    health, request = plugin._outage_refusal(), plugin._veto_during_outage(object())  # noqa: SLF001
+
+    assert serving is None
+    assert health.http_status == request.http_status == HTTPStatus.SERVICE_UNAVAILABLE
+    assert health.message == request.message == read_outage(str(tmp_path))
+
+
+def test_the_probe_sees_any_ranks_notice_and_never_fires_without_a_directory(tmp_path):
+    probe, never = outage_probe(str(tmp_path)), outage_probe(None)
+
+    before = probe()
+    record_outage(str(tmp_path), outage_message(AFDPeerLostError("AFD peer lost: ffn rank 1 silent for 5.0s")))
+
+    assert (before, probe(), never()) == (False, True, False)
+    clear_outage(str(tmp_path))
+    assert probe() is False
 
 
 @pytest.mark.parametrize("failure", [
