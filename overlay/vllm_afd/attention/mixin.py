@@ -30,6 +30,7 @@ from vllm_afd.attention.step_gate import checked_output, make_step_gate
 from vllm_afd.config import AFDConfig
 from vllm_afd.connect import build_connector
 from vllm_afd.metrics import metrics_dir
+from vllm_afd.outage import outage_probe
 from vllm_afd.telemetry import Telemetry
 from vllm_afd.wire.placement import Placement
 from vllm_afd.wire.failure import terminate_process
@@ -66,6 +67,8 @@ class AFDAttentionRunnerMixin:
             self._afd_handle = register_step(self.afd_step)
             tp_group = get_tp_group()
             self._afd_step_gate = make_step_gate(self.afd_connector, tp_group.world_size, tp_group.cpu_group)
+            # Another TP rank's failure, seen after a step's device work (attention/step_gate.py, CheckedOutput).
+            self._afd_server_failed = outage_probe(metrics_dir() if tp_group.world_size > 1 else None)
             self._afd_unhook = register_forward_context_hook(self._install_afd_sidecar)
         except BaseException:
             self._afd_teardown()
@@ -136,7 +139,7 @@ class AFDAttentionRunnerMixin:
     def sample_tokens(self, *args: Any, **kwargs: Any) -> Any:
         # NOTE: the third check point: an asynchronous output raises the failure after vLLM waited for the step's
         # sampled tokens, so a step the abort let finish on garbage hands no token on (attention/step_gate.py).
-        return checked_output(super().sample_tokens(*args, **kwargs), self.afd_connector)
+        return checked_output(super().sample_tokens(*args, **kwargs), self.afd_connector, self._afd_server_failed)
 
     def _afd_before_step(self) -> None:
         """Runs once the step gate passed, before the native step (the CUDA runner re-records graphs here)."""

@@ -13,11 +13,14 @@ A third check point follows the step's device work: on CUDA the host leaves ``ex
 has run the step, so a peer lost meanwhile (the IPC flags or NCCL released by the abort) lets the step finish
 on garbage after both gates passed. ``checked_output`` wraps Model Runner V2's asynchronous output so that
 its ``get_output``, right after vLLM waited for the sampled tokens' copy, raises the failure instead of
-handing those tokens to the scheduler (docs/failures.md#23-no-token-from-an-aborted-step).
+handing those tokens to the scheduler (docs/failures.md#23-no-token-from-an-aborted-step).  At TP > 1 the
+output rank reads one rank's output on vLLM's output thread, where no collective can run, so it learns another
+rank's failure from the server's outage notice, which every failure writes before it releases a step.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -74,27 +77,44 @@ def make_step_gate(connector: AttentionConnector, tp_size: int,
 
 
 class CheckedOutput(AsyncModelRunnerOutput):
-    """A step's asynchronous output whose tokens reach the scheduler only if the pairing survived its device work."""
+    """A step's asynchronous output whose tokens reach the scheduler only if the pairing survived its device work,
+    on every tensor-parallel rank of the server (``server_failed``: outage.py's ``outage_probe``)."""
 
-    def __init__(self, output: AsyncModelRunnerOutput, connector: AttentionConnector) -> None:
+    def __init__(self, output: AsyncModelRunnerOutput, connector: AttentionConnector,
+                 server_failed: Callable[[], bool]) -> None:
         self.output = output
         self.connector = connector
+        self.server_failed = server_failed
         self.pairing = connector.reformations  # the pairing the step ran on
 
     def get_output(self) -> ModelRunnerOutput:
         result = self.output.get_output()  # NOTE: vLLM waits here for the sampled tokens' copy, so for the step
         connector = self.connector
-        if connector.failure is None and not connector.reforming and connector.reformations == self.pairing:
+        own_pairing_held = (connector.failure is None and not connector.reforming
+                            and connector.reformations == self.pairing)
+        if own_pairing_held and not self.server_failed():
             return result
+        if own_pairing_held:
+            # NOTE: another TP rank lost its FFN peer: its latch wrote the notice before it released the step's
+            # receives, so before its rows reached this rank's all-reduce; this rank leaves with it (as at the gate).
+            connector.fail(AFDPeerLostError(
+                f"AFD peer lost: another tensor-parallel rank of this attention server lost its FFN peer while a "
+                f"step ran (its log line 'AFD connector failed' names the cause); {connector.placement.label} "
+                "discards the step's sampled tokens (docs/failures.md#23-no-token-from-an-aborted-step)"))
         connector.check_failed()  # the sticky failure, marked observed
         raise AFDPeerLostError(
             f"AFD peer lost: {connector.placement.label}'s connector paired again while a step ran; its sampled "
             "tokens are discarded (docs/failures.md#23-no-token-from-an-aborted-step)")
 
+    def get_kv_connector_output(self) -> Any:
+        """vLLM 0.34+ salvages a failed step's KV-connector output through this (abstract there): the wrapped
+        output's, as without AFD."""
+        return self.output.get_kv_connector_output()
 
-def checked_output(output: Any, connector: AttentionConnector) -> Any:
+
+def checked_output(output: Any, connector: AttentionConnector, server_failed: Callable[[], bool]) -> Any:
     """``output`` of ``sample_tokens``, its asynchronous kind checked after the device work (``CheckedOutput``).
 
     A synchronous ``ModelRunnerOutput`` (the CPU runner) passes unchanged: its forward ran on the host, every
     transfer of it completed or failed before ``execute_model`` returned, and the step gate saw it."""
-    return CheckedOutput(output, connector) if isinstance(output, AsyncModelRunnerOutput) else output
+    return CheckedOutput(output, connector, server_failed) if isinstance(output, AsyncModelRunnerOutput) else output
