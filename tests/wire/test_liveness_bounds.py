@@ -22,6 +22,7 @@ from torch.distributed import TCPStore
 from vllm_afd.wire.errors import AFDPeerLostError, AFDStepTimeoutError, AFDWatchdogStalledError
 from vllm_afd.wire.failure import NOTIFY_JOIN_S, FailureLatch
 from vllm_afd.wire.placement import Placement
+from vllm_afd.wire.refusal import leave_refused_store
 from vllm_afd.wire.progress import NULL_PROGRESS, DeviceProgress, make_progress
 from vllm_afd.wire.rendezvous import Rendezvous, RendezvousSpec
 from vllm_afd.wire.store import call_within, rank_key
@@ -320,3 +321,121 @@ def test_a_late_error_of_the_old_channels_fails_the_pairing_it_belongs_to():
     assert isinstance(old_latch.failure, AFDPeerLostError)
     assert new_latch.failure is None
     old_latch.close()
+
+
+# ---- the store calls outside the rendezvous's own ---------------------------------------------------------
+
+
+def test_call_within_polls_for_a_failure_while_it_waits():
+    release, failure = threading.Event(), AFDPeerLostError("the watchdog saw the peer stop")
+    polls: list[float] = []
+
+    def poll() -> None:
+        polls.append(time.monotonic())
+        if len(polls) == 3:
+            raise failure
+
+    started = time.monotonic()
+    with pytest.raises(AFDPeerLostError) as raised:
+        call_within(release.wait, 30.0, lambda: AssertionError("expired"), poll=poll)
+    release.set()
+
+    assert raised.value is failure
+    assert time.monotonic() - started < 2.0
+
+
+def test_a_refusal_against_a_stopped_store_host_counts_the_store_as_gone_within_the_call_bound(stopped_store_host):
+    """Regression: a refused rank waited in ``store.check`` for FFN rank 0 to drop the store; a store host that
+    stopped answering instead held it until SIGCONT."""
+    port, stop, cont = stopped_store_host
+    client = TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False,
+                      timeout=datetime.timedelta(seconds=0.5))
+    stop()
+    started = time.monotonic()
+
+    leave_refused_store(client, False, 2, time.monotonic, time.sleep, lambda: None, lambda: None, 0.5)
+
+    assert 0.5 <= time.monotonic() - started < 3.0
+    cont()
+
+
+def test_the_start_up_flag_against_a_stopped_store_host_is_a_lost_peer_within_peer_timeout(stopped_store_host):
+    """Regression: the attention's start-up flag (``mark_startup_done``, after warm-up) was a bare store call: a
+    store host that stopped answering then hung the attention's start-up."""
+    port, stop, cont = stopped_store_host
+    connector = make_connector(make_spec(port, peer_timeout_s=0.5), make_placement("attention", 0, 1, 1),
+                               transport=QueueTransport(new_wire()))
+    connector._store = TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False,
+                                timeout=datetime.timedelta(seconds=0.5))
+    stop()
+    started = time.monotonic()
+
+    with pytest.raises(AFDPeerLostError, match="did not answer attention rank 0's start-up flag within 0.5s") as raised:
+        connector._flag_startup_done()
+
+    assert 0.5 <= time.monotonic() - started < 3.0
+    assert connector.failure is raised.value  # the store is lost: the pairing is, and heals where it can
+    cont()
+    connector.close()
+
+
+class BlockedOpenTransport(QueueTransport):
+    """A transport whose channel creation waits on the store forever (gloo's, against a stopped host)."""
+
+    def __init__(self, wire) -> None:
+        super().__init__(wire)
+        self.opening, self.release = threading.Event(), threading.Event()
+
+    def open(self, store, placement, timeout_s) -> None:
+        self.opening.set()
+        self.release.wait()
+        super().open(store, placement, timeout_s)
+
+
+def initialising(connector) -> tuple[threading.Thread, list]:
+    raised: list = []
+
+    def run() -> None:
+        try:
+            connector.init()
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            raised.append((time.monotonic(), exc))
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, raised
+
+
+@pytest.mark.parametrize("ending", ["peer lost meanwhile", "deadline"])
+def test_channel_creation_that_waits_on_the_store_ends_at_a_lost_peer_or_the_deadline(monkeypatch, ending):
+    """Regression: ``init()`` opened the channels with a bare call; a healing attention whose FFN stopped while
+    the gloo groups were created waited for it for good. Now the call is bounded by the rendezvous's deadline and
+    polls the latch, where the watchdog records a stopped peer within peer_timeout_s."""
+    from vllm_afd.wire import connector as connector_module
+    from vllm_afd.wire.errors import AFDRendezvousTimeout
+
+    monkeypatch.setattr(connector_module, "CHANNEL_OPEN_MARGIN_S", 0.5)
+    spec, wire = make_spec(free_port(), rendezvous_timeout_s=4.0 if ending == "deadline" else 60.0), new_wire()
+    transport = BlockedOpenTransport(wire)
+    ffn = make_connector(spec, make_placement("ffn", 0, 1, 1), transport=QueueTransport(wire))
+    attention = make_connector(spec, make_placement("attention", 0, 1, 1), transport=transport)
+    ffn_thread, _ = initialising(ffn)
+    thread, raised = initialising(attention)
+    assert transport.opening.wait(30.0), "the attention never reached channel creation"
+    lost = AFDPeerLostError("AFD peer lost: ffn rank 0 has not answered attention rank 0's heartbeat")
+    failed_at = time.monotonic()
+    if ending == "peer lost meanwhile":
+        attention._latch.fail(lost)  # what the watchdog does once the heartbeat round gets no answer
+    thread.join(15.0)
+    transport.release.set()
+    ffn.close()
+    ffn_thread.join(30.0)
+
+    assert raised, "init() still waits in channel creation"
+    ended_at, error = raised[0]
+    if ending == "peer lost meanwhile":
+        assert error is lost and ended_at - failed_at < 2.0
+    else:
+        assert isinstance(error, AFDRendezvousTimeout)
+        assert "creating the data and control channels" in str(error)
+    attention.close()

@@ -22,6 +22,7 @@ from vllm_afd.wire.connector import AFDConnector
 from vllm_afd.wire.errors import AFDPeerLostError
 from vllm_afd.wire.messages import ControlPayload, control_header
 from vllm_afd.wire.placement import A2F, CONTROL, F2A
+from vllm_afd.wire.store import call_within, store_frozen_error, store_lost_error
 from vllm_afd.wire.timeline import A2F_SEND_END, A2F_SEND_START, F2A_RECV_END
 from vllm_afd.wire.transport import SendHandle
 from vllm_afd.wire.watchdog import STARTUP_DONE_KEY
@@ -55,7 +56,23 @@ class AttentionConnector(AFDConnector):
         self._require_ready("mark_startup_done")
         if not self._startup_flagged:
             self._startup_flagged = True
-            self._store.add(STARTUP_DONE_KEY, 1)
+            self._flag_startup_done()
+
+    def _flag_startup_done(self) -> None:
+        """Count this rank in ``STARTUP_DONE_KEY`` within ``peer_timeout_s``: a store host that stopped answering
+        (torch's client never times out then) or went away is a lost peer, not a start-up that hangs."""
+        from torch.distributed import DistNetworkError
+
+        s, p = self.spec, self.placement
+        store = self._store
+        address = f"{s.host}:{s.port}"
+        try:
+            call_within(lambda: store.add(STARTUP_DONE_KEY, 1), s.peer_timeout_s,
+                        lambda: store_frozen_error(address, p.label, "start-up flag", s.peer_timeout_s))
+        except DistNetworkError as exc:
+            raise self.fail(store_lost_error(address, p.role, p.role_rank, exc)) from exc
+        except AFDPeerLostError as exc:
+            raise self.fail(exc) from None
 
     def defer_failure(self, exc: BaseException) -> None:
         """Inside a step: an exchange failed with ``exc``; the step gate raises it at the step's end."""

@@ -31,6 +31,7 @@ from vllm_afd.wire.progress import make_progress
 from vllm_afd.wire.rendezvous import Rendezvous, RendezvousSpec
 from vllm_afd.wire.spec import ConnectorSpec
 from vllm_afd.wire.steps import StepState
+from vllm_afd.wire.store import call_within
 from vllm_afd.wire.timeline import NULL_TIMELINE, NullTimeline, StepRecord, Timeline, make_timeline
 from vllm_afd.wire.transport import SendHandle, Transport
 from vllm_afd.wire.failure import FailureLatch, terminate_process
@@ -49,6 +50,8 @@ WATCHDOG_JOIN_S = 1.0
 STALE_CLAIM_MARGIN_S = 3.0
 # A re-forming FFN rank 0 retries binding the store's port this long (the old store is still closing).
 REBIND_S = 10.0
+# Channel creation's bound from outside beyond what is left of the rendezvous (gloo's own bound reports first).
+CHANNEL_OPEN_MARGIN_S = 5.0
 
 
 class AFDConnector:
@@ -151,8 +154,14 @@ class AFDConnector:
             )
             self._watchdog = watchdog
             watchdog.start()
+            opening_s = max(rendezvous.remaining_s(), 0.1)
             try:
-                self.transport.open(self._store, p, max(rendezvous.remaining_s(), 0.1))
+                # NOTE: group creation calls the store, and torch's client never times out against a stopped host
+                # (a re-formation's FFN frozen meanwhile): bounded from outside, and polled for the failure the
+                # watchdog records within peer_timeout_s (wire/store.py call_within).
+                call_within(lambda: self.transport.open(self._store, p, opening_s), opening_s + CHANNEL_OPEN_MARGIN_S,
+                            lambda: rendezvous.timeout_error("creating the data and control channels"),
+                            poll=self._latch.check)
             except RuntimeError as exc:
                 if rendezvous.remaining_s() < 0.5:  # group creation ran into the deadline
                     raise rendezvous.timeout_error("creating the data and control channels") from exc
@@ -187,7 +196,7 @@ class AFDConnector:
             watchdog_store = rendezvous.connect_client()
             try:
                 if rendezvous.claim():
-                    self._announce(self._store)
+                    rendezvous.store_call(lambda: self._announce(self._store))
                     self.fingerprints = rendezvous.exchange_fingerprints(self.fingerprint, self._secret)
                     return watchdog_store
                 # Our claim was held by a dead process whose FFN rank 0 has now restarted the store.

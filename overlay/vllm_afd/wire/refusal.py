@@ -14,7 +14,7 @@ from typing import Any
 
 from vllm_afd.wire.auth import AUTH_FIX
 from vllm_afd.wire.errors import AFDAuthenticationError
-from vllm_afd.wire.store import POLL_INTERVAL_S, STALE_CLAIM_POLL_S
+from vllm_afd.wire.store import POLL_INTERVAL_S, STALE_CLAIM_POLL_S, call_within
 
 __all__ = ["REFUSAL_BACKOFF_S", "REFUSED_KEY", "PeerRefusedError", "leave_refused_store", "refusal_text"]
 
@@ -49,24 +49,32 @@ def refusal_text(refused: AFDAuthenticationError | None) -> str:
 
 def leave_refused_store(store: Any, is_store_host: bool, num_ranks: int, clock: Callable[[], float],
                         sleep: Callable[[float], None], check_cancelled: Callable[[], None],
-                        check_deadline: Callable[[], None]) -> None:
+                        check_deadline: Callable[[], None], call_timeout_s: float) -> None:
     """Count this rank's refusal, then wait: the store host until every rank has (or the grace ends), the
-    others until the store host drops the store. The store is gone either way."""
+    others until the store host drops the store. The store is gone either way: a call to a store host that
+    stopped answering (torch's client never times out then) counts as gone after ``call_timeout_s``."""
     from torch.distributed import DistNetworkError
 
+    def call(operation: Callable[[], Any]) -> Any:
+        return call_within(operation, call_timeout_s, _StoreSilentError)
+
     try:
-        store.add(REFUSED_KEY, 1)
+        call(lambda: store.add(REFUSED_KEY, 1))
         if is_store_host:
             grace = clock() + REFUSAL_GRACE_S
-            while store.add(REFUSED_KEY, 0) < num_ranks and clock() < grace:
+            while call(lambda: store.add(REFUSED_KEY, 0)) < num_ranks and clock() < grace:
                 check_cancelled()
                 sleep(POLL_INTERVAL_S)
             check_deadline()
         else:
             while True:  # until FFN rank 0 drops this store: DistNetworkError
-                store.check([REFUSED_KEY])
+                call(lambda: store.check([REFUSED_KEY]))
                 check_cancelled()
                 check_deadline()
                 sleep(STALE_CLAIM_POLL_S)
-    except DistNetworkError:
-        pass  # the store is gone already
+    except (DistNetworkError, _StoreSilentError):
+        pass  # the store is gone already, or its host stopped answering: the next connect finds out which
+
+
+class _StoreSilentError(Exception):
+    """A refusal's store call that got no answer within its bound."""

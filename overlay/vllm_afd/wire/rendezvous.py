@@ -172,7 +172,7 @@ class Rendezvous:
         """
         from torch.distributed import DistNetworkError
 
-        count = self._store_call(lambda: self.store.add(self._own_key("claim"), 1))
+        count = self.store_call(lambda: self.store.add(self._own_key("claim"), 1))
         self._claimed = count == 1
         if count == 1:
             return True
@@ -197,19 +197,19 @@ class Rendezvous:
         spec = self.spec
         ranks = spec.all_ranks()
         proof = PairingProof(secret, (spec.role, spec.role_rank), ranks, lambda kind, rank: rank_key(kind, *rank))
-        self._store_call(lambda: self.store.set(self._own_key("nonce"), proof.nonce))
+        self.store_call(lambda: self.store.set(self._own_key("nonce"), proof.nonce))
         nonce_keys = [rank_key("nonce", role, rank) for role, rank in ranks]
         self.wait_for_keys(nonce_keys, "waiting for the other ranks' nonces", log_stage="handshake", refusals=True)
         published = fingerprint.to_json().encode()
-        mac = proof.prove(self._store_call(lambda: self.store.multi_get(nonce_keys)), published)
-        self._store_call(lambda: self.store.set(self._own_key("proof"), mac))
-        self._store_call(lambda: self.store.set(self._own_key("fingerprint"), published))
+        mac = proof.prove(self.store_call(lambda: self.store.multi_get(nonce_keys)), published)
+        self.store_call(lambda: self.store.set(self._own_key("proof"), mac))
+        self.store_call(lambda: self.store.set(self._own_key("fingerprint"), published))
         proof_keys = [rank_key("proof", role, rank) for role, rank in ranks]
         keys = [rank_key("fingerprint", role, rank) for role, rank in ranks]
         self.wait_for_keys(proof_keys + keys, "waiting for the other ranks' fingerprints", log_stage="handshake",
                            refusals=True)
-        values = self._store_call(lambda: self.store.multi_get(proof_keys + keys))
-        self._store_call(lambda: self.store.add(COMPARED_KEY, 1))
+        values = self.store_call(lambda: self.store.multi_get(proof_keys + keys))
+        self.store_call(lambda: self.store.add(COMPARED_KEY, 1))
         proof.verify(values[:len(ranks)], values[len(ranks):])
         fingerprints = {rank: Fingerprint.from_json(value) for rank, value in zip(ranks, values[len(ranks):])}
         try:
@@ -226,7 +226,7 @@ class Rendezvous:
         if not self.spec.is_store_host:
             return
         until = self._clock() + COMPARE_GRACE_S
-        while self._store_call(lambda: self.store.add(COMPARED_KEY, 0)) < num_ranks and self._clock() < until:
+        while self.store_call(lambda: self.store.add(COMPARED_KEY, 0)) < num_ranks and self._clock() < until:
             self._sleep(POLL_INTERVAL_S)
 
     def refuse(self, refusal: AFDAuthenticationError) -> None:
@@ -239,7 +239,8 @@ class Rendezvous:
                          "(until rendezvous_timeout_s / reform_timeout_s)", self.spec.label, self.spec.address, refusal)
         leave_refused_store(self.store, self.spec.is_store_host, len(self.spec.all_ranks()), self._clock,
                             self._sleep, self._check_cancelled,
-                            lambda: self._check_deadline("waiting for a pairing that authenticates"))
+                            lambda: self._check_deadline("waiting for a pairing that authenticates"),
+                            self.spec.call_timeout_s)
         self.store = None
         self._claimed = False
         if self.spec.is_store_host:
@@ -267,7 +268,7 @@ class Rendezvous:
         rank that admitted a step while another rank of its server still mapped its channels would
         wait in that step's tensor-parallel collective for a rank that fails it (docs/connection.md#rendezvous).
         """
-        self._store_call(lambda: self.store.set(self._own_key("ready"), b"1"))
+        self.store_call(lambda: self.store.set(self._own_key("ready"), b"1"))
         keys = [rank_key("ready", role, rank) for role, rank in self.spec.all_ranks()]
         self.wait_for_keys(keys, "waiting for the other ranks' channels")
 
@@ -278,13 +279,13 @@ class Rendezvous:
         another rank's refusal of this pairing (``refuse()``) is ours too: ``PeerRefusedError``.
         """
         while True:
-            complete = self._store_call(lambda: self.store.check(keys))
-            if self._store_call(lambda: self.store.add(self._own_key("claim"), 0)) > 1:
+            complete = self.store_call(lambda: self.store.check(keys))
+            if self.store_call(lambda: self.store.add(self._own_key("claim"), 0)) > 1:
                 self._claimed = False  # NOTE: the key is shared with the other claimant: never withdraw it
                 raise self._duplicate_error()
             if complete:
                 return  # NOTE: before a relayed refusal, so a rank with every value finds its own reason
-            if refusals and self._store_call(lambda: self.store.check([REFUSED_KEY])):
+            if refusals and self.store_call(lambda: self.store.check([REFUSED_KEY])):
                 raise peer_refused_error(self.spec.label)
             self._failed()
             self._check_cancelled()
@@ -297,7 +298,7 @@ class Rendezvous:
         """``"ffn [1], attention [2 3]"``: the ranks whose claim is not in the store yet."""
         missing: dict[Role, list[int]] = {role: [] for role in AFD_ROLE_ORDER}
         for role, rank in self.spec.all_ranks():
-            if not self._store_call(functools.partial(self.store.check, [rank_key("claim", role, rank)])):
+            if not self.store_call(functools.partial(self.store.check, [rank_key("claim", role, rank)])):
                 missing[role].append(rank)
         return _format_ranks(missing, skip_empty=True) or "the last ranks' fingerprints"
 
@@ -355,9 +356,10 @@ class Rendezvous:
     def _own_key(self, kind: str) -> str:
         return rank_key(kind, self.spec.role, self.spec.role_rank)
 
-    def _store_call(self, call: Callable[[], Any]) -> Any:
+    def store_call(self, call: Callable[[], Any]) -> Any:
         """Run one store operation within ``call_timeout_s``; a broken connection means FFN rank 0 (the host)
-        is gone, a call that does not return that it is stopped or cut off (``AFDPeerLostError`` both)."""
+        is gone, a call that does not return that it is stopped or cut off (``AFDPeerLostError`` both).  The
+        connector's own calls on this store go through it too (the attention's start-up flag)."""
         from torch.distributed import DistNetworkError
 
         try:

@@ -14,6 +14,7 @@ import datetime
 import errno
 import socket
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -58,9 +59,11 @@ def store_frozen_error(address: str, label: str, what: str, bound_s: float) -> A
     )
 
 
-def call_within(call: Callable[[], Any], bound_s: float, expired: Callable[[], BaseException]) -> Any:
+def call_within(call: Callable[[], Any], bound_s: float, expired: Callable[[], BaseException], *,
+                poll: Callable[[], None] = lambda: None) -> Any:
     """``call()`` on a daemon thread; its result or its exception, or ``expired()`` raised once ``bound_s``
-    passed without an answer.
+    passed without an answer.  ``poll()`` runs every ``POLL_INTERVAL_S`` meanwhile and may raise instead (a
+    failure the watchdog recorded while a long call waits).
 
     The bound from outside, because torch's client does not time out a call to a stopped host.  A call that
     expired keeps its thread until the store answers or its connection closes; the caller must treat the store
@@ -76,7 +79,11 @@ def call_within(call: Callable[[], Any], bound_s: float, expired: Callable[[], B
 
     worker = threading.Thread(target=run, name="afd-store-call", daemon=True)
     worker.start()
-    worker.join(bound_s)
+    deadline = time.monotonic() + bound_s
+    while not outcome and (left := deadline - time.monotonic()) > 0:
+        worker.join(min(left, POLL_INTERVAL_S))
+        if not outcome:
+            poll()
     if not outcome:
         raise expired()
     ok, value = outcome[0]
