@@ -32,14 +32,20 @@ STREAM_TOKENS = 400
 FLOAT32 = ["--dtype", "float32"]
 
 
+def ffn_dp_pool(model_dir, python: str, log_dir, attention_parallel: list[str]) -> AFDDeployment:
+    """Two attention ranks (`attention_parallel`: DP 2 or TP 2) on FFN DP 2 + EP, float32, re-forming on."""
+    return AFDDeployment(model_dir, python=python, log_dir=log_dir,
+                         afd_fields={"num_attention_ranks": 2, "num_ffn_ranks": 2, "step_timeout_s": 60,
+                                     "reform_timeout_s": 300},
+                         attention_args=[*attention_parallel, *FLOAT32],
+                         ffn_args=["--data-parallel-size", "2", "--enable-expert-parallel", *FLOAT32],
+                         attention_cpus="1|1", ffn_cpus="0|0")
+
+
 @pytest.fixture(scope="module")
 def pool(tiny_model_dir, vllm_python, tmp_path_factory, plain_float32):
-    afd = AFDDeployment(tiny_model_dir("qwen3_moe"), python=vllm_python, log_dir=tmp_path_factory.mktemp("pool"),
-                        afd_fields={"num_attention_ranks": 2, "num_ffn_ranks": 2, "step_timeout_s": 60,
-                                    "reform_timeout_s": 300},
-                        attention_args=["--tensor-parallel-size", "2", *FLOAT32],
-                        ffn_args=["--data-parallel-size", "2", "--enable-expert-parallel", *FLOAT32],
-                        attention_cpus="1|1", ffn_cpus="0|0")
+    afd = ffn_dp_pool(tiny_model_dir("qwen3_moe"), vllm_python, tmp_path_factory.mktemp("pool"),
+                      ["--tensor-parallel-size", "2"])
     with afd:
         assert greedy_tokens(afd.attention.base_url, plain_float32.prompts, plain_float32.max_tokens) == plain_float32
         yield afd
@@ -99,12 +105,7 @@ def test_attention_dp2_killed_mid_stream_then_restarted_pairs_with_the_whole_run
     """2A2F (attention DP 2 on FFN DP 2 + EP), the stage-free control of tests/e2e/test_afd_pool.py: plain tokens
     and both FFN ranks' compute on /metrics first, then the re-forming; first in the file, so its deployment is
     gone before the module's `pool` starts."""
-    afd = AFDDeployment(tiny_model_dir("qwen3_moe"), python=vllm_python, log_dir=tmp_path,
-                        afd_fields={"num_attention_ranks": 2, "num_ffn_ranks": 2, "step_timeout_s": 60,
-                                    "reform_timeout_s": 300},
-                        attention_args=["--data-parallel-size", "2", *FLOAT32],
-                        ffn_args=["--data-parallel-size", "2", "--enable-expert-parallel", *FLOAT32],
-                        attention_cpus="1|1", ffn_cpus="0|0")
+    afd = ffn_dp_pool(tiny_model_dir("qwen3_moe"), vllm_python, tmp_path, ["--data-parallel-size", "2"])
     with afd:
         served = greedy_tokens(afd.attention.base_url, plain_float32.prompts, plain_float32.max_tokens)
         computed = [("afd_ffn_compute_seconds_count", "ffn", rank) for rank in "01"]
