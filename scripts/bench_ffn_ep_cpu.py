@@ -45,93 +45,41 @@ STEP_TIMEOUT_S = 600
 
 # ---- worker: one FFN rank, commanded over stdin ------------------------------------------------------------
 
-class TimingConnector:
-    """Hands this rank its block of the seeded rows per (step, layer, stage); times receive-end to send."""
+def timing_connector(placement, hidden_size: int):
+    """The harness's seeded-rows stand-in, timing each layer from "all rows received" to "output handed back"."""
+    from afd_harness.ffn_rank import SeededRowsConnector
 
-    def __init__(self, placement, hidden_size: int) -> None:
-        from vllm_afd.wire.steps import StepState
+    class TimingConnector(SeededRowsConnector):
+        def __init__(self) -> None:
+            super().__init__(placement, hidden_size)
+            self.received_ns = 0
+            self.compute_ns: list[int] = []  # one per layer and stage, in order
 
-        self.placement = placement
-        self.steps = StepState(placement, exchanges_per_stage=1, connector_name="TimingConnector")
-        self.hidden_size = hidden_size
-        self.step = 0
-        self.layer = 0
-        self.received_ns = 0
-        self.compute_ns: list[int] = []  # one per layer and stage, in order
+        def recv_a2f(self, stage: int, routing=None):
+            batch = super().recv_a2f(stage, routing)
+            self.received_ns = time.perf_counter_ns()
+            return batch
 
-    def adopt(self, payload) -> None:
-        self.steps.adopt(payload)
-        self.step += 1
-        self.layer = 0
+        def keep(self, stage: int, output) -> None:
+            self.compute_ns.append(time.perf_counter_ns() - self.received_ns)
 
-    def recv_a2f(self, stage: int, routing=None):
-        import torch
-
-        from vllm_afd.wire.messages import A2FBatch
-        from vllm_afd.wire.topology import rows
-
-        state = self.steps.stage(stage)
-        per_rank = [rows(n) for n in state.counts]
-        generator = torch.Generator().manual_seed(1000 * self.step + 10 * self.layer + stage)
-        every_row = torch.randn(sum(per_rank), self.hidden_size, generator=generator)  # [rows of A, hidden]
-        start = sum(per_rank[: self.placement.attention_peers.start])
-        hidden = every_row[start: start + state.own_rows].to(torch.get_default_dtype())  # [own rows, hidden]
-        self.received_ns = time.perf_counter_ns()
-        return A2FBatch(hidden, None, state.peer_rows)
-
-    def send_f2a(self, stage: int, output) -> None:
-        self.compute_ns.append(time.perf_counter_ns() - self.received_ns)
-        self.layer += 1
-
-    def wait_sends(self) -> None:
-        pass
-
-    def take_records(self) -> list:
-        return []
-
-    def close(self) -> None:
-        pass
+    return TimingConnector()
 
 
 def worker(model_dir: str, num_ffn: int, rank: int, port: int, cpu: int) -> None:
     """Load the FFN half, print READY, then run each command line's steps and print their per-layer times."""
     os.sched_setaffinity(0, {cpu})
     import torch
-    from vllm.config import set_current_vllm_config
-    from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
-    from vllm.engine.arg_utils import EngineArgs
-    from vllm.utils.torch_utils import set_default_torch_dtype
 
-    import vllm_afd.workers.cpu  # noqa: F401 - as in an FFN worker process (vLLM's CPU shims on 0.32)
+    from afd_harness.ffn_rank import ffn_rank
     from afd_harness.tiny_models import read_recipe
-    from vllm_afd.config import parse_afd_config
-    from vllm_afd.connect import build_placement
-    from vllm_afd.ffn.runner import AFDFFNModelRunner
     from vllm_afd.wire.messages import ControlPayload
-    from vllm_afd.workers.common import make_role_vllm_config
 
     torch.set_num_threads(1)
-    afd = {"role": "ffn", "connector": "P2pGlooAFDConnector", "num_attention_ranks": NUM_ATTENTION,
-           "num_ffn_ranks": num_ffn, "reform_timeout_s": 0}
+    afd = {"num_attention_ranks": NUM_ATTENTION, "num_ffn_ranks": num_ffn, "reform_timeout_s": 0}
     dummy = "--load-format" in read_recipe(Path(model_dir))["serve_args"]
-    engine_args = dict(model=model_dir, enforce_eager=True, skip_tokenizer_init=True, dtype="float32",
-                       max_model_len=1024, max_num_batched_tokens=1024, additional_config={"afd": afd},
-                       load_format="dummy" if dummy else "auto")
-    if num_ffn > 1:
-        engine_args.update(data_parallel_size=num_ffn, distributed_executor_backend="external_launcher",
-                           enable_expert_parallel=True)
-    config = EngineArgs(**engine_args).create_engine_config()
-    afd_config = parse_afd_config(config)
-    with set_current_vllm_config(config), set_default_torch_dtype(config.model_config.dtype):
-        init_distributed_environment(world_size=num_ffn, rank=rank, local_rank=rank, backend="gloo",
-                                     distributed_init_method=f"tcp://127.0.0.1:{port}")
-        ensure_model_parallel_initialized(1, 1)
-        placement = build_placement(config, afd_config)
-        runner = AFDFFNModelRunner(make_role_vllm_config(config, afd_config), torch.device("cpu"), afd_config,
-                                   placement)
-        runner.connector.close()  # never initialised: the timing stand-in replaces it
-        runner.connector = feeder = TimingConnector(placement, config.model_config.get_hidden_size())
-        runner.load_model()
+    with ffn_rank(model_dir, afd, timing_connector, rank=rank, port=port, expert_parallel=num_ffn > 1,
+                  max_model_len=1024, load_format="dummy" if dummy else "auto") as (runner, feeder):
         print(PREFIX + json.dumps({"ready": True}), flush=True)
         for line in sys.stdin:
             command = json.loads(line)

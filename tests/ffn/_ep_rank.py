@@ -4,9 +4,10 @@
 
 MODE "ref": FFN DP 1, one FFN rank serving all 4 attention ranks.  MODE "dp" / "dp-ep": FFN DP 2 (external
 launcher, gloo), 2 attention ranks per FFN rank, without / with --enable-expert-parallel.  The real
-`AFDFFNModelRunner` loads the FFN half and runs `STEPS` on a thread as the FFN loop does; its connector is a
-stand-in that hands every FFN rank its block's rows of the same seeded hidden states (the rows attention rank j
-sends are the same in every mode) and keeps what the runner sends back: {(step, layer, stage): [rows, hidden]}.
+`AFDFFNModelRunner` (afd_harness.ffn_rank) loads the FFN half and runs `STEPS` on a thread as the FFN loop
+does; its connector is a stand-in that hands every FFN rank its block's rows of the same seeded hidden states
+(the rows attention rank j sends are the same in every mode) and keeps what the runner sends back:
+{(step, layer, stage): [rows, hidden]}.
 """
 
 from __future__ import annotations
@@ -17,10 +18,8 @@ import threading
 
 import torch
 
-from vllm_afd.wire.messages import A2FBatch, ControlPayload
-from vllm_afd.wire.placement import Placement
-from vllm_afd.wire.steps import StepState
-from vllm_afd.wire.topology import rows
+from afd_harness.ffn_rank import SeededRowsConnector, ffn_rank
+from vllm_afd.wire.messages import ControlPayload
 
 NUM_ATTENTION = 4
 # Per step and stage, tokens per attention rank (FFN 0 serves attention 0-1, FFN 1 serves 2-3 at FFN DP 2).
@@ -31,87 +30,23 @@ STEPS = (
 )
 
 
-class FeedingConnector:
-    """Hands out this rank's rows of seeded hidden states per (step, layer, stage) and keeps the outputs."""
+class FeedingConnector(SeededRowsConnector):
+    """Keeps every output: {(step, layer, stage): [rows, hidden] float32}."""
 
-    def __init__(self, placement: Placement, hidden_size: int) -> None:
-        self.placement = placement
-        self.steps = StepState(placement, exchanges_per_stage=1, connector_name="FeedingConnector")
-        self.hidden_size = hidden_size
-        self.step = -1
-        self.layer_calls = 0
+    def __init__(self, placement, hidden_size: int) -> None:
+        super().__init__(placement, hidden_size)
         self.outputs: dict[tuple[int, int, int], torch.Tensor] = {}
 
-    def adopt(self, payload: ControlPayload) -> None:
-        self.steps.adopt(payload)
-        self.step += 1
-        self.layer_calls = 0
-
-    def _layer(self) -> int:
-        return self.layer_calls // len(self.steps.stages)
-
-    def recv_a2f(self, stage: int, routing=None) -> A2FBatch:
-        state = self.steps.stage(stage)
-        per_rank = [rows(n) for n in state.counts]
-        generator = torch.Generator().manual_seed(1000 * self.step + 10 * self._layer() + stage)
-        every_row = torch.randn(sum(per_rank), self.hidden_size, generator=generator)
-        peers = self.placement.attention_peers
-        start = sum(per_rank[: peers.start])
-        hidden = every_row[start : start + state.own_rows]
-        return A2FBatch(hidden.to(torch.get_default_dtype()), None, state.peer_rows)
-
-    def send_f2a(self, stage: int, output: torch.Tensor) -> None:
-        self.outputs[(self.step, self._layer(), stage)] = output.detach().clone().float()
-        self.layer_calls += 1
-
-    def wait_sends(self) -> None:
-        pass
-
-    def take_records(self) -> list:
-        return []
-
-    def close(self) -> None:
-        pass
+    def keep(self, stage: int, output: torch.Tensor) -> None:
+        self.outputs[(self.step, self.layer(), stage)] = output.detach().clone().float()
 
 
 def main(mode: str, model_dir: str, out_file: str, port: int) -> None:
-    from vllm.config import set_current_vllm_config
-    from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
-    from vllm.engine.arg_utils import EngineArgs
-    from vllm.utils.torch_utils import set_default_torch_dtype
-
-    from vllm_afd.config import parse_afd_config
-    from vllm_afd.connect import build_placement
-    from vllm_afd.ffn.runner import AFDFFNModelRunner
-    from vllm_afd.workers.common import make_role_vllm_config
-
-    # NOTE: as in an FFN worker process, whose module imports vLLM's CPUWorker: on 0.32 that import installs
-    # vLLM's CPU shims for torch (vllm/v1/worker/cpu/shm.py), without which its model loader's
-    # torch.accelerator.empty_cache() fails on a CPU-only torch.
-    import vllm_afd.workers.cpu  # noqa: F401
-
     dp = 1 if mode == "ref" else 2
     rank = int(os.environ.get("RANK", "0"))
-    afd = {"role": "ffn", "connector": "P2pGlooAFDConnector", "num_attention_ranks": NUM_ATTENTION,
-           "num_ffn_ranks": dp, "reform_timeout_s": 0}
-    engine_args = dict(model=model_dir, enforce_eager=True, skip_tokenizer_init=True, dtype="float32",
-                       max_model_len=256, max_num_batched_tokens=256, additional_config={"afd": afd})
-    if dp > 1:
-        engine_args.update(data_parallel_size=dp, distributed_executor_backend="external_launcher",
-                           enable_expert_parallel=mode == "dp-ep")
-    config = EngineArgs(**engine_args).create_engine_config()
-    afd_config = parse_afd_config(config)
-    with set_current_vllm_config(config), set_default_torch_dtype(config.model_config.dtype):
-        init_distributed_environment(world_size=dp, rank=rank, distributed_init_method=f"tcp://127.0.0.1:{port}",
-                                     local_rank=rank, backend="gloo")
-        ensure_model_parallel_initialized(1, 1)
-        placement = build_placement(config, afd_config)
-        runner = AFDFFNModelRunner(make_role_vllm_config(config, afd_config), torch.device("cpu"), afd_config,
-                                   placement)
-        runner.connector.close()  # never initialised: the feeding stand-in replaces it
-        runner.connector = feeder = FeedingConnector(placement, config.model_config.get_hidden_size())
-        runner.load_model()
-
+    afd = {"num_attention_ranks": NUM_ATTENTION, "num_ffn_ranks": dp, "reform_timeout_s": 0}
+    with ffn_rank(model_dir, afd, FeedingConnector, rank=rank, port=port,
+                  expert_parallel=mode == "dp-ep") as (runner, feeder):
         errors: list[BaseException] = []
 
         def loop() -> None:  # as the FFN loop: every step on one daemon thread

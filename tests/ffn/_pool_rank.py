@@ -20,6 +20,7 @@ import types
 
 import torch
 
+from afd_harness.ffn_rank import ffn_rank
 from tests.ffn._ep_rank import FeedingConnector
 from vllm_afd.wire.errors import AFDPeerLostError
 from vllm_afd.wire.messages import A2FBatch, ControlPayload
@@ -67,7 +68,7 @@ class ScriptedConnector(FeedingConnector):
         return payload
 
     def recv_a2f(self, stage: int, routing=None) -> A2FBatch:
-        if self._layer() == self.fail_at_layer:
+        if self.layer() == self.fail_at_layer:
             self.events.append(f"lost at layer {self.fail_at_layer}")
             raise AFDPeerLostError("AFD peer lost: a2f receive from attention rank 0 failed (scripted)")
         step, self.step = self.step, 0  # the rows depend on (layer, stage) only
@@ -82,39 +83,18 @@ class ScriptedConnector(FeedingConnector):
 
 
 def main(model_dir: str, out_file: str, port: int) -> None:
-    from vllm.config import set_current_vllm_config
-    from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
-    from vllm.engine.arg_utils import EngineArgs
-    from vllm.utils.torch_utils import set_default_torch_dtype
-
-    from vllm_afd.config import parse_afd_config
-    from vllm_afd.connect import build_placement
     from vllm_afd.ffn.loop import FFNLoop
     from vllm_afd.ffn.pool import DPPool, make_pool
-    from vllm_afd.ffn.runner import AFDFFNModelRunner
-    from vllm_afd.workers.common import make_role_vllm_config
-    import vllm_afd.workers.cpu  # noqa: F401  (as in _ep_rank: vLLM's CPU shims for torch on 0.32)
 
     rank = int(os.environ["RANK"])
-    afd = {"role": "ffn", "connector": "P2pGlooAFDConnector", "num_attention_ranks": 2, "num_ffn_ranks": 2,
-           "reform_timeout_s": 60}
-    config = EngineArgs(model=model_dir, enforce_eager=True, skip_tokenizer_init=True, dtype="float32",
-                        max_model_len=256, max_num_batched_tokens=256, additional_config={"afd": afd},
-                        data_parallel_size=2, distributed_executor_backend="external_launcher",
-                        enable_expert_parallel=True).create_engine_config()
-    afd_config = parse_afd_config(config)
-    with set_current_vllm_config(config), set_default_torch_dtype(config.model_config.dtype):
-        init_distributed_environment(world_size=2, rank=rank, distributed_init_method=f"tcp://127.0.0.1:{port}",
-                                     local_rank=rank, backend="gloo")
-        ensure_model_parallel_initialized(1, 1)
-        placement = build_placement(config, afd_config)
-        runner = AFDFFNModelRunner(make_role_vllm_config(config, afd_config), torch.device("cpu"), afd_config,
-                                   placement)
-        runner.connector.close()  # never initialised: the scripted stand-in replaces it
-        runner.connector = scripted = ScriptedConnector(placement, config.model_config.get_hidden_size(),
-                                                        SCRIPTS[rank])
-        runner.load_model()
-        pool = make_pool(runner.vllm_config.parallel_config, runner.reform_timeout_s, placement.label)
+    afd = {"num_attention_ranks": 2, "num_ffn_ranks": 2, "reform_timeout_s": 60}
+
+    def scripted_connector(placement, hidden_size: int) -> ScriptedConnector:
+        return ScriptedConnector(placement, hidden_size, SCRIPTS[rank])
+
+    with ffn_rank(model_dir, afd, scripted_connector, rank=rank, port=port, expert_parallel=True) as (
+            runner, scripted):
+        pool = make_pool(runner.vllm_config.parallel_config, runner.reform_timeout_s, scripted.placement.label)
         assert isinstance(pool, DPPool) and runner.drains_failed_steps
 
         loop = FFNLoop(runner, terminate_on_error=False, pool=pool)
