@@ -21,6 +21,7 @@ in `__init__` and removes it in `shutdown`, so FFN and non-AFD processes never s
 
 from __future__ import annotations
 
+import itertools
 import os
 from typing import TYPE_CHECKING
 
@@ -150,12 +151,19 @@ def enable_attention_healing(vllm_config: VllmConfig, afd: AFDConfig) -> None:
             "AFD attention: a lost FFN will stop this server, which must then be restarted (%s)", blocker)
 
 
+# NOTE: one recovery round, one request_id: vLLM 0.34 keys a round's rendezvous on it (the retry's
+# recovery store, the workers' regrouping ports), so every retry needs a fresh one; a count, not a random
+# id, so that engines answering the same outages would agree on it as vLLM asks (healing runs at DP 1).
+_heal_rounds = itertools.count(1)
+
+
 def retry_after_afd_outage(fault: Exception) -> FaultToleranceRequest | None:
     """Engine core fault responder (patch ``engine-core-sentinel-add-fault-responders``): retry at once
     when the fault is an AFD failure, which the workers heal by pairing again; else leave it to vLLM.
 
     An AFD failure writes the outage notice before it is raised (outage.py), so the notice tells it
     apart from any other fault even where the executor wrapped the worker's exception in a string.
+    Each retry is a recovery round of its own: ``afd-heal-<n>``, n counting this engine's retries.
     """
     from vllm.v1.fault_tolerance.utils import FaultToleranceRequest
 
@@ -165,7 +173,7 @@ def retry_after_afd_outage(fault: Exception) -> FaultToleranceRequest | None:
     directory = metrics_dir()
     if directory is None or read_outage(directory) is None:
         return None
-    return FaultToleranceRequest(instruction="retry", params={}, request_id="afd-heal")
+    return FaultToleranceRequest(instruction="retry", params={}, request_id=f"afd-heal-{next(_heal_rounds)}")
 
 
 _veto_installed = False
