@@ -15,10 +15,11 @@ import numbers
 
 from vllm_afd.config import NUM_STAGES
 
-__all__ = ["stage_sizes", "stages_for_step"]
+__all__ = ["stage_sizes", "stages_for_step", "whole_number"]
 
 
-def _whole(name: str, value: object, minimum: int) -> int:
+def whole_number(name: str, value: object, minimum: int) -> int:
+    """`value` as an int, or the stages' ValueError naming `name` when it is no integer >= `minimum`."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
         raise ValueError(f"AFD stages: {name} must be an integer >= {minimum}, got {value!r}")
     return int(value)
@@ -35,8 +36,8 @@ def stages_for_step(num_stages: int, num_tokens: int, *, min_tokens_per_stage: i
     if isinstance(num_stages, bool) or num_stages not in NUM_STAGES:
         raise ValueError(f"AFD stages: num_stages must be one of {NUM_STAGES}, got {num_stages!r}; "
                          "pass AFDConfig.num_stages")
-    num_tokens = _whole("num_tokens", num_tokens, 0)
-    min_tokens_per_stage = _whole("min_tokens_per_stage", min_tokens_per_stage, 1)
+    num_tokens = whole_number("num_tokens", num_tokens, 0)
+    min_tokens_per_stage = whole_number("min_tokens_per_stage", min_tokens_per_stage, 1)
     if num_stages == 1 or not allowed or num_tokens < num_stages * min_tokens_per_stage:
         return 1
     return num_stages
@@ -44,8 +45,8 @@ def stages_for_step(num_stages: int, num_tokens: int, *, min_tokens_per_stage: i
 
 def stage_sizes(num_tokens_padded: int, num_stages: int) -> list[int]:
     """Tokens (rows) of each stage of a padded step: `num_tokens_padded // k` each, the rest to the last."""
-    num_tokens_padded = _whole("num_tokens_padded", num_tokens_padded, 1)
-    num_stages = _whole("num_stages", num_stages, 1)
+    num_tokens_padded = whole_number("num_tokens_padded", num_tokens_padded, 1)
+    num_stages = whole_number("num_stages", num_stages, 1)
     if num_tokens_padded < num_stages:
         raise ValueError(
             f"AFD stages: {num_tokens_padded} tokens cannot fill {num_stages} stages; ask stages_for_step first"

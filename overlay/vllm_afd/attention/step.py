@@ -30,6 +30,7 @@ from typing import Any, Optional
 
 import torch
 
+from vllm_afd.attention.stages import whole_number
 from vllm_afd.wire.errors import AFDError
 
 __all__ = [
@@ -68,8 +69,7 @@ def step_counts(num_dp_ranks: int, dp_rank: int, num_tokens: int,
 def stage_counts(stage_rows: Sequence[int], num_dp_ranks: int) -> dict[int, list[int]]:
     """The payload's counts from each stage's rows (`stages.stage_sizes`, or a vLLM micro-batch slice's): per
     stage, its rows for every attention DP rank alike (vLLM pads them so, `UBatchRunner._make_forward_contexts`)."""
-    if isinstance(num_dp_ranks, bool) or not isinstance(num_dp_ranks, int) or num_dp_ranks < 1:
-        raise ValueError(f"AFD stages: num_dp_ranks must be an integer >= 1, got {num_dp_ranks!r}")
+    num_dp_ranks = whole_number("num_dp_ranks", num_dp_ranks, 1)
     if not stage_rows:
         raise ValueError("AFD stages: no stages; a step runs at least one (stages_for_step)")
     return {stage: [int(rows)] * num_dp_ranks for stage, rows in enumerate(stage_rows)}
