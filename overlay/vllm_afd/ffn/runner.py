@@ -13,6 +13,8 @@ dispatch sizes its collectives by (docs/ffn.md#per-step-compute).
 
 from __future__ import annotations
 
+import types
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -20,7 +22,7 @@ from vllm.config import VllmConfig, set_current_vllm_config
 from vllm.forward_context import DPMetadata, create_forward_context, override_forward_context
 from vllm.logger import init_logger
 
-from vllm_afd.config import AFDConfig
+from vllm_afd.config import NUM_STAGES, AFDConfig
 from vllm_afd.connect import build_connector
 from vllm_afd.ffn.graphs import FFNGraphCache, graph_key, run_mode
 from vllm_afd.ffn.pool import DrainingExchanges, reforms_as_pool
@@ -33,6 +35,8 @@ from vllm_afd.wire.placement import Placement
 from vllm_afd.wire.reforming import reform_within
 
 logger = init_logger(__name__)
+# At FFN DP 1 every stage's MoE runs without DP metadata: one constant, no dict per step.
+NO_DP_METADATA: Mapping[int, None] = types.MappingProxyType({stage: None for stage in range(max(NUM_STAGES))})
 
 
 class AFDFFNModelRunner:
@@ -213,7 +217,7 @@ class AFDFFNModelRunner:
             exchanges.wait_sends()
         return output
 
-    def _dp_metadata(self) -> dict[int, DPMetadata | None]:
+    def _dp_metadata(self) -> Mapping[int, DPMetadata | None]:
         """Per stage of the adopted payload, the FFN-level `DPMetadata` of vLLM's MoE dispatch; None at FFN DP 1.
 
         NOTE: the step state holds every FFN DP rank's rows per stage (`Stage.dp_counts`, empty at FFN DP 1),
@@ -221,9 +225,10 @@ class AFDFFNModelRunner:
         object's `local_sizes` after each MoE call, so one per stage serves every layer.
         """
         parallel = self.vllm_config.parallel_config
+        if parallel.data_parallel_size == 1:
+            return NO_DP_METADATA
         return {
             stage: DPMetadata.make(parallel, s.own_rows, torch.tensor(s.dp_counts, dtype=torch.int32))
-            if s.dp_counts else None
             for stage, s in self.connector.steps.stages.items()
         }
 
