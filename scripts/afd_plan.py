@@ -4,12 +4,15 @@
     python scripts/afd_plan.py plan PROFILE.json --gpus 8 [--tpot-ms 50] [--context 8192] \
         [--link nvlink|pcie|ib|eth|GB_S,US]
     python scripts/afd_plan.py predict PROFILE.json --attention-ranks 1 --ffn-ranks 1 --stages 2 --batch 8
+    python scripts/afd_plan.py profile MODEL_DIR [--device cpu|cuda] [--load-format dummy] [--layers N] \
+        [--batches 1,8,32] [--contexts 16,512] [--tokens 1,8,32] --out PROFILE.json
     python scripts/afd_plan.py profile-from-timeline TIMELINE_DIR MODEL_DIR --context 512 --out PROFILE.json
 
 `plan` prints one table: the colocated baseline (the better of DP x EP and TP) first, then the other colocated
 layout and the AFD splits xA:yF at 1-3 stages, each at the batch with the most decode tok/s per GPU whose step
 (TPOT) stays within --tpot-ms; then the recommendation as `vllm serve` commands of both roles.  `predict` prints
 one deployment's step at one batch (the validation table of docs/planner.md).  Predictions, not measurements.
+`profile` measures a PROFILE.json through the model's real vLLM layers (afd_planner/measure.py).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from pathlib import Path
 
 from afd_planner.cost import CostModel
 from afd_planner.links import LINKS, Link, parse_link
+from afd_planner.measure import LOAD_FORMATS, Grid, measure_profile, read_model_config
 from afd_planner.profile import ProfileError, load_profile
 from afd_planner.search import Candidate, Plan, plan
 
@@ -151,6 +155,56 @@ def cmd_profile(args: argparse.Namespace) -> int:
     return 0
 
 
+def _sizes(text: str, name: str, minimum: int) -> tuple[int, ...]:
+    try:
+        values = tuple(sorted({int(v) for v in text.split(",")}))
+    except ValueError:
+        raise SystemExit(f"afd_plan: --{name} must be comma-separated integers, got {text!r}") from None
+    if min(values) < minimum:
+        raise SystemExit(f"afd_plan: --{name} values must be >= {minimum}, got {text!r}")
+    return values
+
+
+def check_measure_args(args: argparse.Namespace) -> tuple[Grid, dict]:
+    """The grid and the model's config.json, or SystemExit naming the bad argument (nothing built yet)."""
+    grid = Grid(batches=_sizes(args.batches, "batches", 1), contexts=_sizes(args.contexts, "contexts", 1),
+                tokens=_sizes(args.tokens, "tokens", 1), warmup=args.warmup, repeats=args.repeats)
+    if args.warmup < 0 or args.repeats < 1:
+        raise SystemExit(f"afd_plan: --warmup must be >= 0 and --repeats >= 1, got {args.warmup} and {args.repeats}")
+    try:
+        config = read_model_config(args.model_dir)
+    except ValueError as exc:
+        raise SystemExit(f"afd_plan: {exc}") from None
+    if args.layers is not None and not 1 <= args.layers <= config["num_hidden_layers"]:
+        raise SystemExit(f"afd_plan: --layers must be 1..{config['num_hidden_layers']} (the model's layers), "
+                         f"got {args.layers}")
+    longest = config.get("max_position_embeddings")
+    if isinstance(longest, int) and max(grid.contexts) + 2 > longest:
+        raise SystemExit(f"afd_plan: --contexts up to {max(grid.contexts)} exceed the model's "
+                         f"max_position_embeddings {longest} (a context and its new token must fit)")
+    if not args.out.parent.is_dir():
+        raise SystemExit(f"afd_plan: --out {args.out}: folder {args.out.parent} does not exist")
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise SystemExit("afd_plan: --device cuda but torch sees no CUDA device; use --device cpu")
+    return grid, config
+
+
+def cmd_measure(args: argparse.Namespace) -> int:
+    grid, _ = check_measure_args(args)
+    body, notes = measure_profile(args.model_dir, grid, device=args.device, load_format=args.load_format,
+                                  num_layers=args.layers, transport=args.transport)
+    if args.device_name:
+        body["device"] = args.device_name
+    args.out.write_text(json.dumps(body, indent=1) + "\n", encoding="utf-8")
+    for note in notes:
+        print(f"note: {note}")
+    print(f"wrote {args.out}")
+    return 0
+
+
 def parser() -> argparse.ArgumentParser:
     root = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = root.add_subparsers(dest="command", required=True)
@@ -180,6 +234,25 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--stages", type=int, default=1)
     p.add_argument("--batch", type=int, required=True, help="requests per attention rank")
     p.set_defaults(run=cmd_predict)
+
+    p = sub.add_parser("profile", help="measure a PROFILE.json through the model's vLLM layers (docs/planner.md)")
+    p.add_argument("model_dir", type=Path, help="the model's directory (config.json, and weights unless dummy)")
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cpu: one thread, gloo transport; cuda: GPU 0, the IPC transport")
+    p.add_argument("--load-format", choices=LOAD_FORMATS, default="auto",
+                   help="vLLM's --load-format; dummy: random weights of the real shapes, no checkpoint")
+    p.add_argument("--layers", type=int, help="layers to build (hf override of num_hidden_layers); the profile "
+                                             "keeps the full model's layer count")
+    p.add_argument("--batches", default="1,4,8,16,32", help="requests per attention rank (attention, step, transport)")
+    p.add_argument("--contexts", default="16,256", help="tokens of context per request (attention)")
+    p.add_argument("--tokens", default="1,4,8,16,32", help="rows of one FFN rank (ffn)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed calls before each sample (default 3)")
+    p.add_argument("--repeats", type=int, default=10, help="timed calls per sample; the median is kept (default 10)")
+    p.add_argument("--no-transport", dest="transport", action="store_false",
+                   help="skip the two-process round trip (a 0 ms transport sample; plan with --link)")
+    p.add_argument("--device-name", help="the profile's device text (default: what was measured on)")
+    p.set_defaults(run=cmd_measure)
 
     p = sub.add_parser("profile-from-timeline", help="a PROFILE.json from timeline files (docs/timeline.md)")
     p.add_argument("timeline_dir", type=Path)

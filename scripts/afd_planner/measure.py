@@ -1,0 +1,322 @@
+"""`afd_plan.py profile`: a PROFILE.json measured through the real vLLM layers of a model's AFD halves.
+
+Both halves are built in this process as the role workers build them (`EngineArgs` -> `create_engine_config`
+-> `make_role_vllm_config` -> `initialize_model` -> vLLM's default loader; `--load-format dummy` for real
+shapes without a checkpoint, `--layers N` builds N layers).  Then, per crossing layer (docs/planner.md#the-profile):
+
+  attention  the attention half's first MoE decoder layer without its `mlp`: input_layernorm, self_attn
+             (projections, rotary, vLLM's paged attention on a KV cache of `context` tokens per request,
+             metadata built by the backend's own builder, inside vLLM's forward context), post_attention_layernorm;
+  ffn        the FFN half's `compute_ffn_output` of that layer (router, experts, shared experts) on T rows,
+             with all E experts (one process cannot run vLLM's EP; the `touched` term extrapolates to e < E);
+  step       the attention half's per-step host work outside the layers: embedding of B tokens, final norm,
+             logits, greedy pick (no scheduler, input preparation or detokenizer: a lower bound);
+  transport  measure_wire.py: the connector's round trip in two local processes;
+  control    one control payload's encode and checked decode (wire.messages), added to the transport's
+             per-step publish as `afd_step_extra_ms`.
+Every sample is the median of `repeats` timed calls after `warmup` untimed ones; the spread (min, max) is
+returned beside the body for the report.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .profile import SCHEMA, VERSION, parse_profile
+
+__all__ = ["Grid", "Timing", "measure_profile", "read_model_config", "time_call"]
+
+LOAD_FORMATS = ("auto", "dummy", "safetensors")
+# Checkpoint architecture -> what its decoder layer passes to `self_attn` after (positions, hidden_states), as
+# the native `forward`s of vLLM 0.30.0 do (DeepSeek-V2/V3: `llama_4_scaling`, None without Llama-4 scaling).
+SELF_ATTN_EXTRA_ARGS: dict[str, tuple[Any, ...]] = {
+    "Qwen3MoeForCausalLM": (), "DeepseekV2ForCausalLM": (None,), "DeepseekV3ForCausalLM": (None,)}
+
+
+@dataclass(frozen=True, slots=True)
+class Grid:
+    """What to measure and how often; checked by the CLI before anything is built."""
+
+    batches: tuple[int, ...]  # requests per attention rank (attention, step, transport rows)
+    contexts: tuple[int, ...]  # tokens of context per request (attention)
+    tokens: tuple[int, ...]  # rows of one FFN rank (ffn)
+    warmup: int  # untimed calls before each sample
+    repeats: int  # timed calls per sample (the median is the sample)
+
+
+@dataclass(frozen=True, slots=True)
+class Timing:
+    median_ms: float
+    min_ms: float
+    max_ms: float
+
+    def spread(self) -> str:
+        return f"{self.median_ms:.3f} ms ({self.min_ms:.3f}..{self.max_ms:.3f})"
+
+
+def time_call(fn: Callable[[], Any], warmup: int, repeats: int, sync: Callable[[], None] = lambda: None) -> Timing:
+    """Median, min and max of `repeats` calls of `fn` after `warmup` untimed ones (`sync` ends each call)."""
+    for _ in range(warmup):
+        fn()
+    sync()
+    samples = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        fn()
+        sync()
+        samples.append((time.perf_counter() - started) * 1e3)
+    return Timing(statistics.median(samples), min(samples), max(samples))
+
+
+def read_model_config(model_dir: Path) -> dict[str, Any]:
+    """MODEL_DIR/config.json, or a message naming what is wrong (the CLI checks before building)."""
+    path = Path(model_dir) / "config.json"
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ValueError(f"profile: cannot read {path} ({exc.strerror}); pass a model directory") from exc
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"profile: {path} is not JSON ({exc})") from exc
+    if not isinstance(config, dict) or not isinstance(config.get("num_hidden_layers"), int):
+        raise ValueError(f"profile: {path} has no integer num_hidden_layers; is it a Hugging Face model config?")
+    return config
+
+
+# ---- building the halves ------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _role_config(model_dir: Path, role: str, load_format: str, num_layers: int | None, max_len: int,
+                 max_rows: int, device: str) -> Any:
+    """One role's `VllmConfig`, as the role worker makes it (one AFD parse, the alias architecture)."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    from vllm_afd.config import parse_afd_config
+    from vllm_afd.workers.common import make_role_vllm_config
+
+    connector = "P2pIpcAFDConnector" if device == "cuda" else "P2pGlooAFDConnector"
+    config = EngineArgs(
+        model=str(model_dir), enforce_eager=True, skip_tokenizer_init=True, load_format=load_format,
+        max_model_len=max_len, max_num_batched_tokens=max(max_rows, max_len), max_num_seqs=max_rows,
+        hf_overrides={"num_hidden_layers": num_layers} if num_layers else {},
+        additional_config={"afd": {"role": role, "connector": connector}},
+    ).create_engine_config()
+    return make_role_vllm_config(config, parse_afd_config(config))
+
+
+def _init_world(config: Any, device: str) -> None:
+    """vLLM's world of one and its groups, once per process."""
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
+    from vllm.distributed.parallel_state import model_parallel_is_initialized
+
+    if model_parallel_is_initialized():
+        return
+    with set_current_vllm_config(config):
+        init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo" if device == "cpu" else "nccl",
+                                     distributed_init_method=f"tcp://127.0.0.1:{_free_port()}")
+        ensure_model_parallel_initialized(1, 1)
+
+
+def _load(config: Any, device: Any) -> Any:
+    """The half `config` names, built and loaded by vLLM's default loader (strict: every parameter filled)."""
+    import torch
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader import get_model_loader
+    from vllm.model_executor.model_loader.utils import initialize_model, process_weights_after_loading
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    with set_current_vllm_config(config), set_default_torch_dtype(config.model_config.dtype), torch.device(device):
+        model = initialize_model(vllm_config=config)
+        get_model_loader(config.load_config).load_weights(model, config.model_config)
+        process_weights_after_loading(model, config.model_config, torch.device(device))
+    return model.eval()
+
+
+# ---- the samples ----------------------------------------------------------------------------------------
+
+
+def _kv_cache(spec: Any, backend: Any, num_blocks: int, device: Any) -> Any:
+    """One layer's zeroed KV cache: logical [blocks, kv heads, block tokens, content] in the backend's first
+    supported physical layout (vLLM's allocate_kv_cache does the same per group)."""
+    import torch
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+
+    layouts = backend.supported_kv_cache_layouts() or (KVCacheLayout.LBHNC,)
+    content = spec.page_size_bytes // (spec.num_kv_heads * spec.block_size * spec.dtype.itemsize)
+    logical = (num_blocks, spec.num_kv_heads, spec.block_size, content)
+    order = layouts[0].layer_view_order
+    physical = torch.zeros([logical[i] for i in order], dtype=spec.dtype, device=device)
+    return physical.permute([order.index(i) for i in range(4)])
+
+
+def _attention_samples(model: Any, config: Any, layer_idx: int, grid: Grid, device: Any, sync: Callable[[], None],
+                       extra_args: tuple[Any, ...]) -> tuple[list[dict[str, Any]], list[str]]:
+    """One decode token per request against `context` cached tokens, through the layer's own modules."""
+    import torch
+    from vllm.config import set_current_vllm_config
+    from vllm.forward_context import set_forward_context
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    layer = model.model.layers[layer_idx]
+    attn = layer.self_attn.attn
+    name, spec, backend = attn.layer_name, attn.get_kv_cache_spec(config), attn.get_attn_backend()
+    hidden, dtype = config.model_config.hf_text_config.hidden_size, config.model_config.dtype
+    block = spec.block_size
+    samples, notes = [], []
+    for context in grid.contexts:
+        for batch in grid.batches:
+            per_request = context // block + 1  # the blocks holding `context` tokens and the new one
+            attn.bind_kv_cache(_kv_cache(spec, backend, batch * per_request, device))
+            with set_current_vllm_config(config):
+                builder = backend.get_builder_cls()(spec, [name], config, device)
+            starts = torch.arange(batch + 1, dtype=torch.int32)
+            table = torch.arange(batch * per_request, dtype=torch.int32).view(batch, per_request)
+            slots = (table[:, context // block] * block + context % block).to(torch.int64)
+            common = CommonAttentionMetadata(
+                query_start_loc=starts.to(device), query_start_loc_cpu=starts,
+                seq_lens=torch.full((batch,), context + 1, dtype=torch.int32, device=device), num_reqs=batch,
+                num_actual_tokens=batch, max_query_len=1, max_seq_len=context + 1,
+                block_table_tensor=table.to(device), slot_mapping=slots.to(device))
+            metadata = builder.build(0, common)
+            positions = torch.full((batch,), context, dtype=torch.int64, device=device)
+            states = torch.randn(batch, hidden, device=device).to(dtype)
+            residual = torch.randn(batch, hidden, device=device).to(dtype)
+
+            def attention(states: Any = states, residual: Any = residual, positions: Any = positions) -> Any:
+                # NOTE: the fused norm adds into `residual` in place, as between layers of a forward.
+                x, r = layer.input_layernorm(states, residual)
+                x = layer.self_attn(positions, x, *extra_args)
+                return layer.post_attention_layernorm(x, r)
+
+            with torch.inference_mode(), set_forward_context({name: metadata}, config,
+                                                             slot_mapping={name: slots.to(device)}):
+                timing = time_call(attention, grid.warmup, grid.repeats, sync)
+            samples.append({"batch": batch, "context": context, "ms": round(timing.median_ms, 4)})
+            notes.append(f"attention B {batch} L {context}: {timing.spread()}")
+    return samples, notes
+
+
+def _ffn_samples(model: Any, config: Any, layer_idx: int, grid: Grid, num_experts: int, device: Any,
+                 sync: Callable[[], None]) -> tuple[list[dict[str, Any]], list[str]]:
+    import torch
+    from vllm.forward_context import set_forward_context
+
+    hidden, dtype = config.model_config.hf_text_config.hidden_size, config.model_config.dtype
+    samples, notes = [], []
+    with torch.inference_mode(), set_forward_context(None, config):
+        for tokens in grid.tokens:
+            states = torch.randn(tokens, hidden, device=device).to(dtype)
+            timing = time_call(lambda states=states: model.compute_ffn_output(states, layer_idx), grid.warmup,
+                               grid.repeats, sync)
+            samples.append({"tokens": tokens, "experts": num_experts, "ms": round(timing.median_ms, 4)})
+            notes.append(f"ffn T {tokens}: {timing.spread()}")
+    return samples, notes
+
+
+def _step_samples(model: Any, config: Any, grid: Grid, device: Any,
+                  sync: Callable[[], None]) -> tuple[list[dict[str, Any]], list[str]]:
+    import torch
+    from vllm.forward_context import set_forward_context
+
+    vocab = config.model_config.hf_text_config.vocab_size
+    samples, notes = [], []
+    with torch.inference_mode(), set_forward_context(None, config):
+        for batch in grid.batches:
+            ids = torch.randint(0, vocab, (batch,), device=device)
+            residual = torch.zeros(batch, config.model_config.hf_text_config.hidden_size, device=device,
+                                   dtype=config.model_config.dtype)
+
+            def host_share(ids: Any = ids, residual: Any = residual) -> Any:
+                states = model.embed_input_ids(ids)
+                states, _ = model.model.norm(states, residual)
+                return model.compute_logits(states).argmax(dim=-1)
+
+            timing = time_call(host_share, grid.warmup, grid.repeats, sync)
+            samples.append({"batch": batch, "ms": round(timing.median_ms, 4)})
+            notes.append(f"step B {batch} (embedding, norm, logits, pick): {timing.spread()}")
+    return samples, notes
+
+
+def control_payload_ms(batch: int, grid: Grid) -> Timing:
+    """One step's control payload: encode, frame header, checked decode (wire/messages.py), one stage."""
+    from vllm_afd.wire.messages import ControlPayload, control_header, read_control
+
+    def round_trip() -> Any:
+        body = ControlPayload({0: (batch,)}, step_seq=1).encode()
+        return read_control(control_header(body), body, num_stages=1, max_rows=batch)
+
+    return time_call(round_trip, max(grid.warmup, 10), max(grid.repeats, 100))
+
+
+def measure_profile(model_dir: Path, grid: Grid, *, device: str = "cpu", load_format: str = "auto",
+                    num_layers: int | None = None, transport: bool = True) -> tuple[dict[str, Any], list[str]]:
+    """(the profile as JSON, per-sample notes with their spread); the profile passes `parse_profile`."""
+    import torch
+
+    from vllm_afd.models import register_afd_models
+    from vllm_afd.models.split import moe_layer_indices, num_routed_experts
+
+    full_layers = read_model_config(model_dir)["num_hidden_layers"]
+    max_len = max(grid.contexts) + 2
+    max_rows = max(max(grid.batches), max(grid.tokens))
+    register_afd_models()
+    configs = {role: _role_config(model_dir, role, load_format, num_layers, max_len, max_rows, device)
+               for role in ("attention", "ffn")}
+    hf = configs["ffn"].model_config.hf_text_config
+    architecture = configs["ffn"].model_config.hf_config.architectures[0].removeprefix("AFD")
+    if architecture not in SELF_ATTN_EXTRA_ARGS:
+        raise ValueError(f"profile: {architecture} is not measured yet; expected one of {sorted(SELF_ATTN_EXTRA_ARGS)} "
+                         "(add its self_attn arguments to SELF_ATTN_EXTRA_ARGS)")
+    moe = moe_layer_indices(hf, architecture)
+    if not moe:
+        raise ValueError(f"profile: the {hf.num_hidden_layers} built layer(s) hold no MoE layer; raise --layers "
+                         "past the model's dense layers (first_k_dense_replace, mlp_only_layers)")
+    if device == "cpu":
+        torch.set_num_threads(1)  # one core per role, as the CPU benchmarks pin them
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    where = torch.device("cuda:0" if device == "cuda" else "cpu")
+    _init_world(configs["attention"], device)
+    attention_model, ffn_model = _load(configs["attention"], where), _load(configs["ffn"], where)
+    num_experts = num_routed_experts(hf)
+    attention, notes = _attention_samples(attention_model, configs["attention"], moe[0], grid, where, sync,
+                                          SELF_ATTN_EXTRA_ARGS[architecture])
+    ffn, ffn_notes = _ffn_samples(ffn_model, configs["ffn"], moe[0], grid, num_experts, where, sync)
+    step, step_notes = _step_samples(attention_model, configs["attention"], grid, where, sync)
+    notes += ffn_notes + step_notes
+    dtype = configs["ffn"].model_config.dtype
+    model = {"name": Path(model_dir).name, "hidden_size": hf.hidden_size, "num_layers": full_layers,
+             "num_experts": num_experts, "top_k": hf.num_experts_per_tok, "dtype_bytes": dtype.itemsize}
+    control = control_payload_ms(max(grid.batches), grid)
+    notes.append(f"control payload encode + decode: {control.spread()}")
+    extra, wire = control.median_ms, []
+    if transport:
+        from .measure_wire import round_trips
+
+        wire, publish, wire_notes = round_trips(device, hf.hidden_size, dtype, grid)
+        extra += publish
+        notes += wire_notes
+    body = {"schema": SCHEMA, "version": VERSION,
+            "device": f"{'CPU, 1 thread per role' if device == 'cpu' else torch.cuda.get_device_name(0)}",
+            "source": f"afd_plan.py profile {model_dir} (load format {load_format}, {hf.num_hidden_layers} of "
+                      f"{full_layers} layers built; layer {moe[0]}; median of {grid.repeats} after {grid.warmup} "
+                      "warm-up)",
+            "model": model, "attention": attention, "ffn": ffn, "transport": wire, "step": step,
+            "afd_step_extra_ms": round(extra, 4)}
+    if not wire:
+        body["transport"] = [{"bytes": 0, "ms": 0.0}]
+        notes.append("transport not measured (--no-transport): one 0 ms sample; plan with --link")
+    parse_profile(body)  # what we write must read back
+    return body, notes

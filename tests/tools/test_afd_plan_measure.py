@@ -1,0 +1,137 @@
+"""`afd_plan.py profile`: a PROFILE.json measured through the tiny Qwen3-MoE's real vLLM halves (one whole command
+on a tiny grid, about 30 s on 2 cores), and every bad argument refused before anything is built.
+
+No assertion reads a time's size: the samples are checked for the schema, their keys (the grid asked for, in
+order) and being positive; only the transport's bytes grow with the batch by construction.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import afd_plan
+from afd_planner import measure
+from afd_planner.measure import Grid, time_call
+from afd_planner.profile import load_profile
+
+pytest.importorskip("vllm")
+pytest.importorskip("transformers")
+
+BATCHES, CONTEXTS, TOKENS = (1, 4), (16, 64), (1, 8)
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen3_moe(tmp_path_factory) -> Path:
+    from afd_harness.tiny_models import build_tiny_model
+
+    return build_tiny_model("qwen3_moe", tmp_path_factory.mktemp("plan_measure") / "qwen3_moe")
+
+
+@pytest.fixture(scope="module")
+def measured(tiny_qwen3_moe, tmp_path_factory) -> tuple[Path, str]:
+    """The command run once, as a user runs it: 2 of the 3 layers built (layer 0 is dense, layer 1 MoE)."""
+    out = tmp_path_factory.mktemp("plan_measure_out") / "profile.json"
+    command = [sys.executable, str(Path(afd_plan.__file__)), "profile", str(tiny_qwen3_moe), "--layers", "2",
+               "--batches", ",".join(map(str, BATCHES)), "--contexts", ",".join(map(str, CONTEXTS)),
+               "--tokens", ",".join(map(str, TOKENS)), "--warmup", "1", "--repeats", "2", "--out", str(out)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return out, done.stdout
+
+
+def test_the_profile_reads_back_with_the_full_models_shape(measured):
+    out, stdout = measured
+    profile = load_profile(out)
+    shape = profile.model
+    assert (shape.hidden_size, shape.num_layers, shape.num_experts, shape.top_k, shape.dtype_bytes) == (128, 3, 8, 2, 2)
+    assert f"wrote {out}" in stdout
+    assert "2 of 3 layers built; layer 1" in profile.source
+
+
+def test_every_sample_of_the_grid_is_there_positive_and_in_order(measured):
+    profile = load_profile(measured[0])
+    assert [(s.context, s.batch) for s in profile.attention] == [(c, b) for c in CONTEXTS for b in BATCHES]
+    assert [(s.tokens, s.experts) for s in profile.ffn] == [(t, 8) for t in TOKENS]
+    assert [s.batch for s in profile.step] == list(BATCHES)
+    assert [s.bytes for s in profile.transport] == [b * 128 * 2 for b in BATCHES]
+    samples = [*profile.attention, *profile.ffn, *profile.step, *profile.transport]
+    assert all(s.ms > 0 for s in samples)
+    assert profile.afd_step_extra_ms > 0
+
+
+def test_each_sample_is_reported_with_its_spread(measured):
+    notes = [line for line in measured[1].splitlines() if line.startswith("note: ")]
+    assert len(notes) == len(BATCHES) * len(CONTEXTS) + len(TOKENS) + 2 * len(BATCHES) + 2
+    assert all(" ms (" in line and ".." in line for line in notes)
+
+
+def test_the_planner_reads_the_measured_profile(measured, capsys):
+    assert afd_plan.main(["predict", str(measured[0]), "--attention-ranks", "1", "--ffn-ranks", "1",
+                          "--stages", "2", "--batch", "4", "--context", "16"]) == 0
+    assert capsys.readouterr().out.startswith("step ")
+
+
+# --- bad arguments: refused before anything is built ---
+
+@pytest.fixture
+def nothing_built(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("measure_profile ran: a bad argument got through")
+
+    monkeypatch.setattr(afd_plan, "measure_profile", refuse)
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    (["--batches", "1,x"], "--batches must be comma-separated integers, got '1,x'"),
+    (["--tokens", "0,4"], "--tokens values must be >= 1"),
+    (["--contexts", "4096"], "--contexts up to 4096 exceed the model's max_position_embeddings 2048"),
+    (["--layers", "0"], r"--layers must be 1..3 \(the model's layers\), got 0"),
+    (["--layers", "4"], r"--layers must be 1..3 \(the model's layers\), got 4"),
+    (["--repeats", "0"], "--warmup must be >= 0 and --repeats >= 1"),
+])
+def test_a_bad_grid_or_layer_count_is_refused(nothing_built, tiny_qwen3_moe, tmp_path, extra, message):
+    with pytest.raises(SystemExit, match=message):
+        afd_plan.main(["profile", str(tiny_qwen3_moe), "--out", str(tmp_path / "p.json"), *extra])
+
+
+def test_a_folder_without_config_json_is_refused(nothing_built, tmp_path):
+    with pytest.raises(SystemExit, match=r"cannot read .*config.json .*pass a model directory"):
+        afd_plan.main(["profile", str(tmp_path), "--out", str(tmp_path / "p.json")])
+
+
+def test_an_out_path_in_a_missing_folder_is_refused(nothing_built, tiny_qwen3_moe, tmp_path):
+    with pytest.raises(SystemExit, match="folder .*missing does not exist"):
+        afd_plan.main(["profile", str(tiny_qwen3_moe), "--out", str(tmp_path / "missing" / "p.json")])
+
+
+@pytest.mark.parametrize("extra", [["--device", "tpu"], ["--load-format", "pickle"]])
+def test_an_unknown_device_or_load_format_is_a_usage_error(nothing_built, tiny_qwen3_moe, tmp_path, extra, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        afd_plan.main(["profile", str(tiny_qwen3_moe), "--out", str(tmp_path / "p.json"), *extra])
+    assert exit_info.value.code == 2 and "invalid choice" in capsys.readouterr().err
+
+
+# --- the timer ---
+
+def test_time_call_times_repeats_after_warmup():
+    calls = []
+    timing = time_call(lambda: calls.append(1), warmup=2, repeats=5)
+    assert len(calls) == 7
+    assert 0 <= timing.min_ms <= timing.median_ms <= timing.max_ms
+
+
+def test_the_control_payload_round_trip_is_timed():
+    timing = measure.control_payload_ms(32, Grid((32,), (16,), (1,), warmup=0, repeats=3))
+    assert timing.median_ms > 0
+
+
+def test_the_shipped_measured_profile_is_valid():
+    path = Path(afd_plan.__file__).parent / "afd_planner" / "profiles" / "cpu-qwen3-moe-1k-4l-measured.json"
+    profile = load_profile(path)
+    assert profile.model.name == "qwen3_moe_1k_4l" and "afd_plan.py profile" in profile.source
+    assert json.loads(path.read_text())["schema"] == "afd-profile"
