@@ -6,9 +6,10 @@ docs/protocol.md#control-payload), after checking every count against this rank'
 FFN checks them again). Per (layer, stage) it issues its rows with ``send_a2f`` (hidden states, then
 router logits with the gate on attention, then their seal in integrity mode, wire/integrity.py)
 without blocking, and ``recv_f2a`` waits that stage's send, then receives the FFN output into the
-tensor just sent. An exchange that fails inside a step is deferred to the step gate
-(``defer_failure`` / ``take_step_failure``, attention/step_gate.py); ``mark_startup_done`` arms the
-step timeouts once profile, warm-up and capture are over.
+tensor just sent (over a bounded transport, gloo: posted at this rank's ``max_rows`` rows into a buffer per
+stage, whose published rows are then copied over; docs/protocol.md#bounds). An exchange that fails inside a
+step is deferred to the step gate (``defer_failure`` / ``take_step_failure``, attention/step_gate.py);
+``mark_startup_done`` arms the step timeouts once profile, warm-up and capture are over.
 """
 
 from __future__ import annotations
@@ -44,6 +45,8 @@ class AttentionConnector(AFDConnector):
         super()._new_pairing()
         # The issued a2f sends of each stage, waited by that stage's recv_f2a.
         self._pending_a2f: dict[int, list[SendHandle]] = {}
+        # Bounded receives: per stage a [max_rows, hidden] buffer each f2a receive is posted into.
+        self._bounded: dict[int, torch.Tensor] = {}
 
     def _announce(self, store: Any) -> None:
         if self._startup_flagged:  # a re-formation: steps were timed before it, keep timing them
@@ -108,10 +111,9 @@ class AttentionConnector(AFDConnector):
         return payload
 
     def _check_rows(self, payload: ControlPayload) -> None:
-        """Every published count within this rank's ``max_rows``, the bound the FFN enforces (ValueError)."""
-        bound = self.spec.max_rows
-        if bound is None:
-            return
+        """Every published count within this rank's ``max_rows`` (the spec's, never above the handshake's, which
+        the FFN enforces and which sizes this rank's bounded receives), else ValueError."""
+        bound = min(self.fingerprint.max_rows, self.spec.max_rows or self.fingerprint.max_rows)
         for stage, counts in payload.counts.items():
             if max(counts) > bound:
                 raise ValueError(
@@ -180,8 +182,24 @@ class AttentionConnector(AFDConnector):
         # NOTE: the result lands in the tensor just sent, so that send must be complete first.
         self._wait_sends(self._pending_a2f.pop(stage, []), "a2f send to ffn rank", self.placement.subgroup)
         label, peer = "f2a receive from ffn rank", self.placement.subgroup
-        self._call(label, peer, self.transport.recv, F2A, target, 0)
-        self._check_seal(F2A, 0, (target,), stage, label, peer)
+        if self.transport.bounded_receives:
+            # NOTE: the FFN's output lands in `out` (the op's contract), which has no room for a longer message:
+            # received into this stage's buffer of max_rows rows, its published rows copied over (one memcpy).
+            head = self._call(label, peer, self.transport.recv_rows, F2A, self._bounded_buffer(stage), own_rows, 0)
+            self._check_seal(F2A, 0, (head,), stage, label, peer)
+            target.copy_(head)
+        else:
+            self._call(label, peer, self.transport.recv, F2A, target, 0)
+            self._check_seal(F2A, 0, (target,), stage, label, peer)
         self._mark(F2A_RECV_END)
         self._count_exchange()
         return target
+
+    def _bounded_buffer(self, stage: int) -> torch.Tensor:
+        """Stage ``stage``'s buffer of bounded receives: the handshake's max_rows rows, made once per pairing."""
+        buffer = self._bounded.get(stage)
+        if buffer is None:
+            s = self.spec
+            buffer = self._bounded[stage] = torch.empty((self.fingerprint.max_rows, s.hidden_size), dtype=s.dtype,
+                                                        device=s.device)
+        return buffer

@@ -7,7 +7,9 @@ the handshake's bounds and adopts it: the only place its step state changes. Per
 integrity mode, wire/integrity.py) and concatenates; ``send_f2a`` issues each peer its rows without
 blocking, and ``wait_sends`` waits them all at the end of the step. With graph buffers every receive
 lands in a persistent buffer per (stage, peer, shape), preallocated when a payload is adopted, so a replayed CUDA graph
-finds the addresses it recorded (docs/protocol.md#step-state-and-receive-buffers).
+finds the addresses it recorded (docs/protocol.md#step-state-and-receive-buffers). Over a bounded transport
+(gloo) each receive is posted at the attention's ``max_rows`` rows instead, into two buffers per (stage, width,
+dtype) of ``num_peers x max_rows`` rows used in turn (docs/protocol.md#bounds).
 """
 
 from __future__ import annotations
@@ -51,6 +53,12 @@ class FFNConnector(AFDConnector):
         self._pending_f2a: list[SendHandle] = []
         # Graph buffers by (stage, group rank, rows, width, dtype); a new pairing records its graphs anew.
         self._buffers: dict[tuple[Any, ...], torch.Tensor] = {}
+        # Bounded receives: by (stage, turn, width, dtype) a [num_peers * max_rows, width] buffer; peer j's
+        # message is posted at max_rows rows right after the rows of peers < j, so the published rows end up
+        # concatenated in place and a surplus is overwritten by the next peer's or lies past the batch.
+        self._bounded: dict[tuple[Any, ...], torch.Tensor] = {}
+        # Bounded receives: the turn (0 or 1) of each stage's last recv_a2f.
+        self._turns: dict[int, int] = {}
 
     # ---- control plane --------------------------------------------------------------------------
 
@@ -103,22 +111,31 @@ class FFNConnector(AFDConnector):
         peer_rows = self.steps.stage(stage).peer_rows
         if routing is not None:
             self._routing.add(routing)
-        hidden_parts, logit_parts = [], []
+        widths = [(s.hidden_size, s.dtype)] + ([] if routing is None else [(routing.width, routing.dtype)])
+        bounded = self.transport.bounded_receives
+        max_rows, lanes = 0, []
+        if bounded:
+            # NOTE: two turns per stage: a batch (and an FFN output that aliases it, still being sent) stays intact
+            # through the stage's next receive; the one after needs every peer's next rows, which an attention
+            # rank computes from its output of this batch, so all of this batch's sends have completed by then.
+            turn = self._turns[stage] = 1 - self._turns.get(stage, 1)
+            max_rows = self._peer_max_rows()
+            lanes = [self._bounded_buffer(stage, turn, len(peer_rows) * max_rows, *w) for w in widths]
+        parts: list[list[torch.Tensor]] = [[] for _ in widths]
+        offset = 0  # rows received so far: where the next peer's receive is posted in a lane
         self._mark(A2F_RECV_START)
         for group_rank, (peer, num_rows) in enumerate(zip(p.attention_peers, peer_rows), start=1):
             label = "a2f receive from attention rank"
-            hidden = self._recv_buffer(stage, group_rank, num_rows, s.hidden_size, s.dtype)
-            self._call(label, peer, self.transport.recv, A2F, hidden, group_rank)
-            hidden_parts.append(hidden)
-            group = (hidden,)
-            if routing is not None:
-                logits = self._recv_buffer(stage, group_rank, num_rows, routing.width, routing.dtype)
-                self._call(label, peer, self.transport.recv, A2F, logits, group_rank)
-                logit_parts.append(logits)
-                group = (hidden, logits)
-            self._check_seal(A2F, group_rank, group, stage, label, peer)
+            for i, (width, dtype) in enumerate(widths):
+                buffer = (lanes[i][offset:offset + max_rows] if bounded
+                          else self._recv_buffer(stage, group_rank, num_rows, width, dtype))
+                parts[i].append(self._call(label, peer, self.transport.recv_rows, A2F, buffer, num_rows, group_rank))
+            self._check_seal(A2F, group_rank, tuple(part[-1] for part in parts), stage, label, peer)
+            offset += num_rows
         self._mark(A2F_RECV_END)
-        return A2FBatch(_concat(hidden_parts), _concat(logit_parts) if logit_parts else None, peer_rows)
+        # Bounded: the peers' rows are concatenated in place already.
+        joined = [lane[:offset] for lane in lanes] if bounded else [_concat(part) for part in parts]
+        return A2FBatch(joined[0], joined[1] if routing is not None else None, peer_rows)
 
     def send_f2a(self, stage: int, output: torch.Tensor) -> None:
         """Send each attention peer its rows of ``output`` (``[sum(peer_rows), hidden]``)."""
@@ -167,6 +184,15 @@ class FFNConnector(AFDConnector):
         buffer = self._buffers.get(key)
         if buffer is None:  # never evicted: a replayed graph finds the address it recorded
             buffer = self._buffers[key] = torch.empty((num_rows, width), dtype=dtype, device=s.device)
+        return buffer
+
+    def _bounded_buffer(self, stage: int, turn: int, num_rows: int, width: int, dtype: torch.dtype) -> torch.Tensor:
+        """The bounded receives' buffer of (stage, turn, width, dtype), made once per pairing from checked values
+        (the handshake's max_rows, the subgroup's size, the spec's or the model's widths)."""
+        key = (stage, turn, width, dtype)
+        buffer = self._bounded.get(key)
+        if buffer is None:
+            buffer = self._bounded[key] = torch.empty((num_rows, width), dtype=dtype, device=self.spec.device)
         return buffer
 
 

@@ -47,6 +47,8 @@ class Transport(ABC):
          in that order on prefixes of the rendezvous store, bounded by ``timeout_s``.
       2. ``send``/``recv`` move one tensor each, any dtype; ``recv`` fills the given tensor. The
          ``ctrl`` channel's tensors are CPU tensors, so the control plane never waits for a GPU.
+         ``recv_rows`` receives a data message of ``rows`` rows into the head of a buffer of the
+         message's agreed maximum; with ``bounded_receives`` it posts the whole buffer (see there).
          ``isend`` issues a data send without waiting for the peer and returns its ``SendHandle``;
          the caller keeps the tensor unchanged until ``wait()`` returned. Sends and receives of one
          (channel, peer) pair are matched in issue order.
@@ -62,6 +64,11 @@ class Transport(ABC):
     # a rank blocked on a stuck peer is released (an abort cannot interrupt a blocked receive of its own
     # process). Control receives stay unbounded: the FFN may wait idle for the next step.
     transfer_timeout_s: float | None = None
+    # Whether ``recv_rows`` posts its whole buffer, so a longer data message than published (up to the buffer)
+    # is read and ignored past the published rows. The ends then pass buffers of the agreed maximum
+    # (max_rows rows, docs/protocol.md#bounds), reused; otherwise buffers of exactly the published rows.
+    # NOTE: for backends that end the process on a message longer than the posted receive (gloo).
+    bounded_receives: bool = False
 
     @abstractmethod
     def open(self, store: Any, placement: Placement, timeout_s: float) -> None:
@@ -78,6 +85,14 @@ class Transport(ABC):
     @abstractmethod
     def recv(self, channel: str, tensor: torch.Tensor, src: int) -> None:
         """Fill ``tensor`` from group rank ``src``."""
+
+    def recv_rows(self, channel: str, buffer: torch.Tensor, rows: int, src: int) -> torch.Tensor:
+        """Receive a message of ``rows`` rows from group rank ``src`` into the head of ``buffer`` (contiguous,
+        ``[capacity, width]``, ``rows <= capacity``) and return that head, ``buffer[:rows]`` (contiguous).
+        A bounded transport posts the whole buffer; this default receives exactly the head."""
+        head = buffer[:rows]
+        self.recv(channel, head, src)
+        return head
 
     @abstractmethod
     def abort(self) -> None:

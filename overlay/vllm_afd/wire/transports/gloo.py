@@ -18,8 +18,11 @@ gloo ends the process (``std::terminate`` from its device thread) when a message
 posted for it, and accepts a shorter one silently. So a control receive is posted with the control channel's
 largest message (``CONTROL_CAPACITY``, through a reusable scratch whose head is zeroed first) and only the
 bytes asked for are copied out: a lying control peer is read and refused by the connector's checks
-(docs/security.md#what-is-validated), never a native abort. Data receives are posted at the size the checked
-control payload sets.
+(docs/security.md#what-is-validated), never a native abort. Data receives come through ``recv_rows``
+(``bounded_receives``): posted at the whole buffer the end passes, the message's agreed maximum (the
+attention's ``max_rows`` rows, docs/protocol.md#bounds), whose first published rows are the message; more rows
+than published are read and ignored. Only a message longer than that maximum (or a control message over
+``CONTROL_CAPACITY``, or a seal over its 64 bytes) still ends the process.
 """
 
 from __future__ import annotations
@@ -109,6 +112,9 @@ class GlooTransport(Transport):
     torch's default group and never enter its global rank maps, which vLLM owns.
     """
 
+    # recv_rows posts the whole buffer: a data message longer than published is read, not a native abort.
+    bounded_receives = True
+
     def __init__(self, device: torch.device, channels: tuple[str, ...] | None = None) -> None:
         self.device = device
         # The channels to open (None: all of placement.channels()); the IPC transport keeps only ctrl here.
@@ -182,6 +188,22 @@ class GlooTransport(Transport):
         tensor.copy_(staging, non_blocking=tensor.device.type == "cuda")
         if tensor.device.type == "cuda":
             self._record_copy("recv", staging)
+
+    def recv_rows(self, channel: str, buffer: torch.Tensor, rows: int, src: int) -> torch.Tensor:
+        """Post the whole of ``buffer`` (the message's agreed maximum) and return its first ``rows`` rows: a longer
+        message up to the buffer is read and ignored past them, never a native abort. A CPU buffer is received
+        into directly (no copy); a CUDA one through its host staging, of which only the head is copied over."""
+        assert buffer.is_contiguous() and 0 <= rows <= buffer.shape[0], "recv_rows takes a contiguous buffer of >= rows"
+        head = buffer[:rows]
+        timeout = _op_timeout(self.transfer_timeout_s)
+        if buffer.device.type == "cpu":
+            self._group(channel).recv([_bytes(buffer)], src, 0).wait(timeout)
+            return head
+        staging = self._staging_for("recv", buffer)
+        self._group(channel).recv([_bytes(staging)], src, 0).wait(timeout)
+        head.copy_(staging[:rows], non_blocking=True)
+        self._record_copy("recv", staging)
+        return head
 
     def _recv_control(self, tensor: torch.Tensor, src: int) -> None:
         """A control receive posted at ``CONTROL_CAPACITY``: a longer or shorter message than ``tensor`` is read,
