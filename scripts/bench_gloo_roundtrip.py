@@ -39,7 +39,8 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def _make_connector(role: str, port: int, hidden: int, dtype: Any, layers: int, device: str) -> Any:
+def _make_connector(role: str, port: int, hidden: int, dtype: Any, layers: int, device: str, max_rows: int) -> Any:
+    """A gloo connector whose receives are posted at `max_rows` rows (the largest batch measured)."""
     import torch
 
     from vllm_afd.wire.ends import make_connector
@@ -51,13 +52,14 @@ def _make_connector(role: str, port: int, hidden: int, dtype: Any, layers: int, 
     spec = ConnectorSpec(
         name="P2pGlooAFDConnector", hidden_size=hidden, dtype=dtype, device=torch.device(device), host="127.0.0.1",
         port=port, rendezvous_timeout_s=60.0, step_timeout_s=60.0, peer_timeout_s=10.0, exchanges_per_stage=layers,
+        max_rows=max_rows,
     )
     placement = Placement(role, 0, 1, 1)
     fingerprint = Fingerprint.for_rank(
         placement, connector=spec.name, compute_gate_on_attention=False, overlay_version="bench",
         vllm_version="bench", architecture="bench", hidden_size=hidden, num_hidden_layers=layers,
         dtype=str(dtype).removeprefix("torch."), layer_kinds="M" * layers, num_routed_experts=0,
-        graph_mode="eager", device=device,
+        graph_mode="eager", device=device, max_rows=max_rows,
     )
     return make_connector(spec, placement, GlooTransport(spec.device), fingerprint, terminate=None)
 
@@ -85,7 +87,7 @@ def _rank(role: str, args: argparse.Namespace, ports: tuple[int, int], results: 
     wait = datetime.timedelta(days=1)
     _, raw_a2f, raw_f2a = _raw_groups(role, ports[0])
     device = "cuda:0" if args.device == "cuda" else "cpu"
-    connector = _make_connector(role, ports[1], args.hidden, dtype, args.layers, device)
+    connector = _make_connector(role, ports[1], args.hidden, dtype, args.layers, device, max(args.batch_sizes))
     connector.init()
     table = []
     for batch in args.batch_sizes:

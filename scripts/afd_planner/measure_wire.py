@@ -51,7 +51,7 @@ def _connector(role: str, port: int, device: str, hidden: int, dtype: Any, max_r
         placement, connector=name, compute_gate_on_attention=False, overlay_version="afd_plan",
         vllm_version="afd_plan", architecture="afd_plan", hidden_size=hidden, num_hidden_layers=EXCHANGES,
         dtype=str(dtype).removeprefix("torch."), layer_kinds="M" * EXCHANGES, num_routed_experts=0,
-        graph_mode="eager", device=device)
+        graph_mode="eager", device=device, max_rows=max_rows)
     return make_connector(spec, placement, TRANSPORTS[name](spec.device, spec), fingerprint, terminate=None)
 
 

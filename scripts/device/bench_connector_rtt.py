@@ -115,7 +115,9 @@ def _raw_pingpong(role: str, groups: tuple[Any, Any, Any], shape: tuple[int, int
 
 # ---------------------------------------------------------------------------------- connector
 
-def _connector(role: str, port: int, hidden: int, num_layers: int, device: Any, timeout_s: float) -> Any:
+def _connector(role: str, port: int, shape: tuple[int, int], num_layers: int, device: Any, timeout_s: float) -> Any:
+    """A gloo connector for `shape` [rows, hidden]: its receives are posted at `rows` (the fingerprint's max_rows)."""
+    rows, hidden = shape
     import torch
 
     import vllm_afd
@@ -128,14 +130,14 @@ def _connector(role: str, port: int, hidden: int, num_layers: int, device: Any, 
     spec = ConnectorSpec(
         name="P2pGlooAFDConnector", hidden_size=hidden, dtype=torch.bfloat16, device=device, host="127.0.0.1",
         port=port, rendezvous_timeout_s=timeout_s, step_timeout_s=timeout_s, peer_timeout_s=10.0,
-        exchanges_per_stage=num_layers,
+        exchanges_per_stage=num_layers, max_rows=rows,
     )
     placement = Placement(role, 0, 1, 1)
     fingerprint = Fingerprint.for_rank(
         placement, connector=spec.name, compute_gate_on_attention=False, pid=0,
         overlay_version=vllm_afd.__version__, vllm_version="bench", architecture="Bench", hidden_size=hidden,
         num_hidden_layers=num_layers, dtype="bfloat16", layer_kinds="M" * num_layers,
-        num_routed_experts=NUM_EXPERTS, graph_mode="eager", device=str(device),
+        num_routed_experts=NUM_EXPERTS, graph_mode="eager", device=str(device), max_rows=rows,
     )
     return make_connector(spec, placement, GlooTransport(device), fingerprint, terminate=None)
 
@@ -192,7 +194,7 @@ def run_rank(role: str, spec: dict[str, Any], results: Any) -> None:
                     _raw_pingpong(role, groups, shape, device, True, num_iters, spec["warmup"]))
             out.append(row)
         for index, shape in enumerate(spec["shapes"]):
-            connector = _connector(role, spec["connector_ports"][index], shape[1], spec["layers"], device,
+            connector = _connector(role, spec["connector_ports"][index], shape, spec["layers"], device,
                                    spec["timeout_s"])
             connector.init()
             try:

@@ -57,7 +57,7 @@ def _connector(role: str, port: int, shape: tuple[int, int], layers: int, timeou
     fingerprint = Fingerprint.for_rank(
         placement, connector=CONNECTOR, compute_gate_on_attention=False, pid=0, overlay_version=vllm_afd.__version__,
         vllm_version="bench", architecture="Bench", hidden_size=shape[1], num_hidden_layers=layers, dtype="bfloat16",
-        layer_kinds="M" * layers, num_routed_experts=8, graph_mode="eager", device="cuda")
+        layer_kinds="M" * layers, num_routed_experts=8, graph_mode="eager", device="cuda", max_rows=shape[0])
     return make_connector(spec, placement, TRANSPORTS[CONNECTOR](device, spec), fingerprint, terminate=None)
 
 
