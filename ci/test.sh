@@ -40,13 +40,17 @@ E2E_SECOND_PIN=${E2E_SECOND_PIN:-"tests/e2e/test_afd_cpu.py::test_afd_tokens_equ
  tests/e2e/test_afd_cpu.py::test_ffn_server_refuses_generation_and_points_to_attention
  tests/e2e/test_zero_change.py"}
 E2E_SECOND_PIN_K=${E2E_SECOND_PIN_K-"hook or qwen3_moe or shadows"}
-# An import venv's tests (about 100 s on 0.34.0): the fast-tier files that need neither a `VllmConfig` on the CPU
-# platform (0.34 refuses x86 without triton-cpu) nor fakes of 0.32's graph manager (docs/releases.md#vllm-0340-cuda-only).
+# An import venv's tests: the fast-tier files that run there; their tests that need a `VllmConfig` on the CPU
+# platform (0.34 refuses x86 without triton-cpu) skip naming that refusal (docs/releases.md#vllm-0340-cuda-only).
 IMPORT_TESTS=(tests/overlay/test_{pin,release_gates,config,config_secret_file,metrics,outage,plugin_logging}.py
+    tests/overlay/test_{checkpoint,connect,ipc_registry,validation}.py
     tests/attention/test_{capture_arm,cuda_path,sampled_tokens,stage_baton,stages,step_gate}.py
-    tests/ffn/test_{ffn_graphs_cuda,ffn_loop,ffn_pool}.py tests/models/test_{models_split,registration}.py
+    tests/attention/test_{attention_healing,cuda_stages}.py
+    tests/ffn/test_{ffn_graphs_cuda,ffn_loop,ffn_pool,ffn_dp_metadata,ffn_refusals}.py
+    tests/models/test_{models_split,registration,native_contract,deepseek_v2}.py
     tests/hooks/test_{hook_contract_models,hook_contract_registries,hook_firing_cpu,hook_health_veto}.py
-    tests/hooks/test_{hook_serving_cpu,probe_registration}.py)
+    tests/hooks/test_{hook_serving_cpu,probe_registration,hook_contract_runner,hook_fault_tolerance}.py
+    tests/hooks/test_hook_registries.py)
 pin_value() { sed -n "s/^$2[[:space:]]*=[[:space:]]*//p" "$1" | head -1; }
 venv_of() {  # the venv of a pin file: AFD_VENV (else .venv) for VLLM_PIN, .venv-<major.minor> for the others
     if [ "$1" = VLLM_PIN ]; then echo "${AFD_VENV:-.venv}"; else v=$(pin_value "$1" version); echo ".venv-${v%.*}"; fi

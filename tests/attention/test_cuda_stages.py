@@ -56,11 +56,20 @@ def make_manager(num_stages: int, *, arm: CaptureArm | None = None, connector: P
                              afd_step=AttentionStep(connector, connector.placement.dp_size),
                              afd_min_tokens_per_stage=min_tokens_per_stage, dp_size=dp_size)
     manager.afd_runner = runner  # the instance's view of the bound class attribute
-    manager.vllm_config = SimpleNamespace(speculative_config=None, cache_config=SimpleNamespace())
+    # What `__init__` would have set, for every release: 0.34 keys decode graphs by (requests, query length)
+    # (`decode_max_reqs`, `_decode_descs`) and reads decode and prefill sizes of their own.
+    manager.vllm_config = SimpleNamespace(speculative_config=None, uniform_decode_query_len=1,
+                                          cache_config=SimpleNamespace(use_kda_recoverssm=False))
     manager.compilation_config = SimpleNamespace(cudagraph_capture_sizes=CAPTURE_SIZES,
-                                                 max_cudagraph_capture_size=max(CAPTURE_SIZES))
+                                                 max_cudagraph_capture_size=max(CAPTURE_SIZES),
+                                                 decode_cudagraph_capture_request_sizes=CAPTURE_SIZES,
+                                                 prefill_cudagraph_capture_token_sizes=CAPTURE_SIZES,
+                                                 max_decode_cudagraph_capture_tokens=None)
     manager.cudagraph_mode = cudagraph_mode
     manager.max_num_reqs = 16
+    manager.decode_max_reqs = {1: manager.max_num_reqs}
+    manager.decode_request_sizes = None
+    manager._decode_descs = {}
     manager.decode_query_len = 1
     manager.varlen_decode = False
     manager.lora_capture_cases = [0]
@@ -167,17 +176,24 @@ def test_at_attention_dp_above_one_the_manager_leaves_the_split_to_vllms_dp_vote
 # ---- vLLM's DP vote (seam mrv2-add-ubatch-vote) -----------------------------------------------------------
 
 
+def dp_group(reduce: dict) -> SimpleNamespace:
+    """The DP group as the vote reaches it: 0.30 and 0.32 all-reduce over its `cpu_group` with
+    `dist.all_reduce`, 0.34 calls its `cpu_all_reduce_`; both go to the simulated all-reduce."""
+    return SimpleNamespace(cpu_group=None, cpu_all_reduce_=lambda tensor: reduce["op"](tensor), dead_dp_ranks=set())
+
+
 def dp_vote(monkeypatch, ranks: list[dict], num_stages: int, min_tokens_per_stage: int, cudagraph_mode):
     """vLLM's `sync_cudagraph_and_dp_padding` on every DP rank, as execute_model calls it (through
     `dispatch_cg_and_sync_dp`), over a simulated all-reduce: a first pass collects each rank's
     contribution, the second sums them, as gloo would.  Returns each rank's (descriptor, sync)."""
     from vllm.v1.worker.gpu import dp_utils
 
-    monkeypatch.setattr(dp_utils, "get_dp_group", lambda: SimpleNamespace(cpu_group=None))
     contributions: list = []
     reduce = {"op": lambda tensor, group=None: contributions.append(tensor.clone())}
+    monkeypatch.setattr(dp_utils, "get_dp_group", lambda: dp_group(reduce))
     monkeypatch.setattr(dp_utils, "dist", SimpleNamespace(all_reduce=lambda tensor, group=None: reduce["op"](tensor)))
-    parallel_config = SimpleNamespace(use_ubatching=False, num_ubatches=1)  # vLLM's DBO is off under AFD
+    # vLLM's DBO is off under AFD; so is fault tolerance on a DP group (validation.healing_blocker)
+    parallel_config = SimpleNamespace(use_ubatching=False, num_ubatches=1, enable_fault_tolerance=False)
 
     def call(rank: int, step: dict):
         manager = make_manager(num_stages, min_tokens_per_stage=min_tokens_per_stage, dp_size=len(ranks),
@@ -340,15 +356,15 @@ def test_the_seams_default_votes_as_the_pinned_release(counts, threshold, mode):
     from vllm.v1.worker.gpu.ubatch_utils import UBatchRunner
 
     parallel_config = SimpleNamespace(use_ubatching=True, num_ubatches=2, dbo_decode_token_threshold=threshold,
-                                      dbo_prefill_token_threshold=threshold)
+                                      dbo_prefill_token_threshold=threshold, enable_fault_tolerance=False)
     ubatch_runner = object.__new__(UBatchRunner)
     ubatch_runner.parallel_config, ubatch_runner.num_ubatches = parallel_config, 2
 
     def vote(num_ubatches_for) -> list:
         with pytest.MonkeyPatch.context() as monkeypatch:
-            monkeypatch.setattr(dp_utils, "get_dp_group", lambda: SimpleNamespace(cpu_group=None))
             contributions: list = []
             reduce = {"op": lambda tensor: contributions.append(tensor.clone())}
+            monkeypatch.setattr(dp_utils, "get_dp_group", lambda: dp_group(reduce))
             monkeypatch.setattr(dp_utils, "dist",
                                 SimpleNamespace(all_reduce=lambda tensor, group=None: reduce["op"](tensor)))
 

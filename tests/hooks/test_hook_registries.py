@@ -31,11 +31,14 @@ try:
 except ImportError as exc:
     pytest.skip(f"this interpreter's vLLM lacks the patch series ({exc})", allow_module_level=True)
 
+from tests.connectors._vllm_configs import skip_without_cpu_configs  # noqa: E402
+
 pytestmark = pytest.mark.vllm
 
 
 @pytest.fixture(scope="module")
 def vllm_config() -> VllmConfig:
+    skip_without_cpu_configs()
     return VllmConfig()
 
 
@@ -111,6 +114,7 @@ def test_unregister_is_idempotent_and_keeps_the_order_of_the_rest(vllm_config, o
 
 
 def test_config_hook_sees_auto_and_its_choice_survives_the_platform() -> None:
+    skip_without_cpu_configs()  # the platform's update must run (a hook's error needs none: the test below)
     seen: list[str] = []
 
     def choose_worker(config) -> None:

@@ -45,6 +45,10 @@ def vllm_distributed(tiny_model_dirs, without_afd_plugin):
     from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
     from vllm.engine.arg_utils import EngineArgs
 
+    from tests.connectors._vllm_configs import skip_without_cpu_configs
+
+    skip_without_cpu_configs()  # every build below needs a CPU VllmConfig
+
     config = EngineArgs(
         model=str(tiny_model_dirs["qwen3_moe"]), enforce_eager=True, skip_tokenizer_init=True
     ).create_engine_config()

@@ -270,6 +270,9 @@ def test_an_alias_never_parses_the_config_a_second_time(tiny_model_dirs):
     from vllm.config import set_current_vllm_config
     from vllm.engine.arg_utils import EngineArgs
 
+    from tests.connectors._vllm_configs import skip_without_cpu_configs
+
+    skip_without_cpu_configs()
     config = EngineArgs(model=str(tiny_model_dirs["qwen3_moe"]), enforce_eager=True, skip_tokenizer_init=True,
                         additional_config={"afd": afd("ffn")}).create_engine_config()
 

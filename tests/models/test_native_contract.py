@@ -103,10 +103,11 @@ PINNED_SIGNATURES = [
 
 # Where a release's signature differs from 0.30.0's: {version: {qualname: parameters}}.  The
 # AFD routers pass keywords both releases accept (bias, quant_config, prefix).
+_GATE_LINEAR_SINCE_0_32 = ["self", "input_size", "output_size", "bias", "out_dtype", "params_dtype",
+                           "force_fp32_compute", "skip_bias_add", "quant_config", "prefix", "return_bias"]
 RELEASE_SIGNATURES = {
-    "0.32.0": {"GateLinear.__init__": ["self", "input_size", "output_size", "bias", "out_dtype", "params_dtype",
-                                       "force_fp32_compute", "skip_bias_add", "quant_config", "prefix",
-                                       "return_bias"]},
+    "0.32.0": {"GateLinear.__init__": _GATE_LINEAR_SINCE_0_32},
+    "0.34.0": {"GateLinear.__init__": _GATE_LINEAR_SINCE_0_32},
 }
 
 

@@ -15,6 +15,7 @@ from vllm_afd.validation import (
 
 vllm = pytest.importorskip("vllm")
 
+from tests.connectors._vllm_configs import skip_without_cpu_configs  # noqa: E402
 from vllm_afd.releases import installed  # noqa: E402
 
 # vLLM 0.32 removed compile-time sequence parallelism (overlay/vllm_afd/releases.py).
@@ -31,6 +32,8 @@ def model_dir(tmp_path_factory):
 
 def make_config(model_dir, afd: dict, **engine_args):
     from vllm.engine.arg_utils import EngineArgs
+
+    skip_without_cpu_configs()
 
     args = EngineArgs(model=str(model_dir), enforce_eager=True, max_model_len=256,
                       additional_config={"afd": afd}, **engine_args)
@@ -231,6 +234,7 @@ def deepseek_config(tmp_path, monkeypatch, *, kv_lora_rank: int, qk_rope_head_di
     from afd_harness.tiny_models import TINY_ARCHS
     from vllm.config import ModelConfig, VllmConfig
 
+    skip_without_cpu_configs()
     monkeypatch.setenv("VLLM_MLA_DISABLE", "1" if mla_disable else "0")
     recipe = {**TINY_ARCHS["deepseek_v2"].config, "kv_lora_rank": kv_lora_rank, "qk_rope_head_dim": qk_rope_head_dim}
     hf_config = transformers.DeepseekV2Config(**recipe, vocab_size=512)

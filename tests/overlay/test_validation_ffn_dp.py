@@ -21,6 +21,7 @@ from vllm_afd.validation import (
 
 vllm = pytest.importorskip("vllm")
 
+from tests.connectors._vllm_configs import skip_without_cpu_configs  # noqa: E402
 from vllm_afd.pin import BUILD_HINT, installed_patches  # noqa: E402
 
 BOTH_FIXES = frozenset({CPU_GATHERV_PATCH, CPU_EP_PATCH})
@@ -31,6 +32,8 @@ WHERE = "AFD FFN with --data-parallel-size 2"
 def ffn_config(model_dir):
     """An FFN's config at DP 2 (num_ffn_ranks 2) that FFN DP accepts; keyword args change the AFD config."""
     from vllm.engine.arg_utils import EngineArgs
+
+    skip_without_cpu_configs()
 
     def build(data_parallel_size: int = 2, enable_expert_parallel: bool = True, **afd_overrides):
         afd = {"role": "ffn", "connector": "P2pGlooAFDConnector", "num_attention_ranks": 2,
@@ -173,6 +176,8 @@ def test_the_attention_meets_none_of_the_ffn_rules(cpu_attention_config):
 @pytest.fixture
 def cpu_attention_config(model_dir):
     from vllm.engine.arg_utils import EngineArgs
+
+    skip_without_cpu_configs()
 
     afd = {"role": "attention", "connector": "P2pGlooAFDConnector", "num_attention_ranks": 2}
     args = EngineArgs(model=str(model_dir), enforce_eager=True, max_model_len=256, skip_tokenizer_init=True,
