@@ -15,7 +15,9 @@ shapes without a checkpoint, `--layers N` builds N layers).  Then, per crossing 
   control    one control payload's encode and checked decode (wire.messages), added to the transport's
              per-step publish as `afd_step_extra_ms`.
 Every sample is the median of `repeats` timed calls after `warmup` untimed ones; the spread (min, max) is
-returned beside the body for the report.
+returned beside the body for the report.  On CPU every timed call starts with a cold cache (`CacheEvictor`, untimed):
+in the engine a layer's weights leave the shared last-level cache between two calls of it (the other layers, the
+other role's expert reads), and a layer called back to back would read them from the cache instead.
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ from typing import Any
 
 from .profile import SCHEMA, VERSION, parse_profile
 
-__all__ = ["Grid", "Timing", "measure_profile", "read_model_config", "time_call"]
+__all__ = ["CacheEvictor", "Grid", "Timing", "last_level_cache_bytes", "measure_profile", "read_model_config",
+           "time_call"]
 
 LOAD_FORMATS = ("auto", "dummy", "safetensors")
 # Checkpoint architecture -> what its decoder layer passes to `self_attn` after (positions, hidden_states), as
@@ -61,18 +64,57 @@ class Timing:
         return f"{self.median_ms:.3f} ms ({self.min_ms:.3f}..{self.max_ms:.3f})"
 
 
-def time_call(fn: Callable[[], Any], warmup: int, repeats: int, sync: Callable[[], None] = lambda: None) -> Timing:
-    """Median, min and max of `repeats` calls of `fn` after `warmup` untimed ones (`sync` ends each call)."""
+def _nothing() -> None:
+    return None
+
+
+def time_call(fn: Callable[[], Any], warmup: int, repeats: int, sync: Callable[[], None] = _nothing,
+              before: Callable[[], None] = _nothing) -> Timing:
+    """Median, min and max of `repeats` calls of `fn` after `warmup` untimed ones (`sync` ends each call;
+    `before` runs untimed ahead of each timed one, e.g. a `CacheEvictor`)."""
     for _ in range(warmup):
         fn()
     sync()
     samples = []
     for _ in range(repeats):
+        before()
         started = time.perf_counter()
         fn()
         sync()
         samples.append((time.perf_counter() - started) * 1e3)
     return Timing(statistics.median(samples), min(samples), max(samples))
+
+
+# Smallest eviction write: above the last-level cache of the machines measured (32 MiB on the 2-core box).
+MIN_EVICTION_BYTES = 64 << 20
+
+
+def last_level_cache_bytes(root: Path = Path("/sys/devices/system/cpu/cpu0/cache")) -> int | None:
+    """The largest cache of CPU 0 in bytes (sysfs `index*/size`, e.g. "32768K"), or None where sysfs has none."""
+    sizes = []
+    for entry in sorted(root.glob("index*/size")):
+        text = entry.read_text(encoding="ascii").strip()
+        unit = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:].upper(), 1)
+        digits = text[:-1] if unit > 1 else text
+        if digits.isdigit():
+            sizes.append(int(digits) * unit)
+    return max(sizes) if sizes else None
+
+
+class CacheEvictor:
+    """Writes a buffer of twice the last-level cache (at least MIN_EVICTION_BYTES) so that the next call reads its
+    weights from memory, as a layer does in the engine (measured on the 2-core box: 1.14-1.31x the warm time of
+    the attention layer, docs/planner.md#measured-through-the-models-layers-profile)."""
+
+    def __init__(self, num_bytes: int | None = None) -> None:
+        import torch
+
+        cache = last_level_cache_bytes()
+        self.num_bytes = num_bytes or max(MIN_EVICTION_BYTES, 2 * (cache or 0))
+        self._buffer = torch.empty(self.num_bytes, dtype=torch.uint8)
+
+    def __call__(self) -> None:
+        self._buffer.fill_(1)
 
 
 def read_model_config(model_dir: Path) -> dict[str, Any]:
@@ -124,6 +166,13 @@ def _init_world(config: Any, device: str) -> None:
 
     if model_parallel_is_initialized():
         return
+    if device == "cpu":
+        import torch
+
+        # NOTE: vLLM's CPU attention runs its AMX kernel where the CPU has AMX tiles (bf16, blocks of 32), and Linux
+        # kills a process that touches tile registers without asking for them first (SIGILL): ask, as a no-op
+        # returning False where there is no AMX.
+        torch.cpu._init_amx()  # noqa: SLF001
     with set_current_vllm_config(config):
         init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo" if device == "cpu" else "nccl",
                                      distributed_init_method=f"tcp://127.0.0.1:{_free_port()}")
@@ -163,7 +212,8 @@ def _kv_cache(spec: Any, backend: Any, num_blocks: int, device: Any) -> Any:
 
 
 def _attention_samples(model: Any, config: Any, layer_idx: int, grid: Grid, device: Any, sync: Callable[[], None],
-                       extra_args: tuple[Any, ...]) -> tuple[list[dict[str, Any]], list[str]]:
+                       extra_args: tuple[Any, ...],
+                       before: Callable[[], None]) -> tuple[list[dict[str, Any]], list[str]]:
     """One decode token per request against `context` cached tokens, through the layer's own modules."""
     import torch
     from vllm.config import set_current_vllm_config
@@ -203,14 +253,14 @@ def _attention_samples(model: Any, config: Any, layer_idx: int, grid: Grid, devi
 
             with torch.inference_mode(), set_forward_context({name: metadata}, config,
                                                              slot_mapping={name: slots.to(device)}):
-                timing = time_call(attention, grid.warmup, grid.repeats, sync)
+                timing = time_call(attention, grid.warmup, grid.repeats, sync, before)
             samples.append({"batch": batch, "context": context, "ms": round(timing.median_ms, 4)})
             notes.append(f"attention B {batch} L {context}: {timing.spread()}")
     return samples, notes
 
 
 def _ffn_samples(model: Any, config: Any, layer_idx: int, grid: Grid, num_experts: int, device: Any,
-                 sync: Callable[[], None]) -> tuple[list[dict[str, Any]], list[str]]:
+                 sync: Callable[[], None], before: Callable[[], None]) -> tuple[list[dict[str, Any]], list[str]]:
     import torch
     from vllm.forward_context import set_forward_context
 
@@ -220,14 +270,14 @@ def _ffn_samples(model: Any, config: Any, layer_idx: int, grid: Grid, num_expert
         for tokens in grid.tokens:
             states = torch.randn(tokens, hidden, device=device).to(dtype)
             timing = time_call(lambda states=states: model.compute_ffn_output(states, layer_idx), grid.warmup,
-                               grid.repeats, sync)
+                               grid.repeats, sync, before)
             samples.append({"tokens": tokens, "experts": num_experts, "ms": round(timing.median_ms, 4)})
             notes.append(f"ffn T {tokens}: {timing.spread()}")
     return samples, notes
 
 
-def _step_samples(model: Any, config: Any, grid: Grid, device: Any,
-                  sync: Callable[[], None]) -> tuple[list[dict[str, Any]], list[str]]:
+def _step_samples(model: Any, config: Any, grid: Grid, device: Any, sync: Callable[[], None],
+                  before: Callable[[], None]) -> tuple[list[dict[str, Any]], list[str]]:
     import torch
     from vllm.forward_context import set_forward_context
 
@@ -244,7 +294,7 @@ def _step_samples(model: Any, config: Any, grid: Grid, device: Any,
                 states, _ = model.model.norm(states, residual)
                 return model.compute_logits(states).argmax(dim=-1)
 
-            timing = time_call(host_share, grid.warmup, grid.repeats, sync)
+            timing = time_call(host_share, grid.warmup, grid.repeats, sync, before)
             samples.append({"batch": batch, "ms": round(timing.median_ms, 4)})
             notes.append(f"step B {batch} (embedding, norm, logits, pick): {timing.spread()}")
     return samples, notes
@@ -262,8 +312,12 @@ def control_payload_ms(batch: int, grid: Grid) -> Timing:
 
 
 def measure_profile(model_dir: Path, grid: Grid, *, device: str = "cpu", load_format: str = "auto",
-                    num_layers: int | None = None, transport: bool = True) -> tuple[dict[str, Any], list[str]]:
-    """(the profile as JSON, per-sample notes with their spread); the profile passes `parse_profile`."""
+                    num_layers: int | None = None, transport: bool = True,
+                    cold_cache: bool = True) -> tuple[dict[str, Any], list[str]]:
+    """(the profile as JSON, per-sample notes with their spread); the profile passes `parse_profile`.
+
+    `cold_cache` (CPU only): evict the caches before every timed call, as the engine's layers find them; False
+    times a layer called back to back (its weights cached: the isolated layer's best case)."""
     import torch
 
     from vllm_afd.models import register_afd_models
@@ -291,10 +345,12 @@ def measure_profile(model_dir: Path, grid: Grid, *, device: str = "cpu", load_fo
     _init_world(configs["attention"], device)
     attention_model, ffn_model = _load(configs["attention"], where), _load(configs["ffn"], where)
     num_experts = num_routed_experts(hf)
+    evict = CacheEvictor() if cold_cache and device == "cpu" else None
+    before = evict or _nothing
     attention, notes = _attention_samples(attention_model, configs["attention"], moe[0], grid, where, sync,
-                                          SELF_ATTN_EXTRA_ARGS[architecture])
-    ffn, ffn_notes = _ffn_samples(ffn_model, configs["ffn"], moe[0], grid, num_experts, where, sync)
-    step, step_notes = _step_samples(attention_model, configs["attention"], grid, where, sync)
+                                          SELF_ATTN_EXTRA_ARGS[architecture], before)
+    ffn, ffn_notes = _ffn_samples(ffn_model, configs["ffn"], moe[0], grid, num_experts, where, sync, before)
+    step, step_notes = _step_samples(attention_model, configs["attention"], grid, where, sync, before)
     notes += ffn_notes + step_notes
     dtype = configs["ffn"].model_config.dtype
     model = {"name": Path(model_dir).name, "hidden_size": hf.hidden_size, "num_layers": full_layers,
@@ -308,11 +364,13 @@ def measure_profile(model_dir: Path, grid: Grid, *, device: str = "cpu", load_fo
         wire, publish, wire_notes = round_trips(device, hf.hidden_size, dtype, grid)
         extra += publish
         notes += wire_notes
+    cache_text = (f"cold cache: {evict.num_bytes >> 20} MiB written before every timed call" if evict else
+                  "warm cache: calls back to back")
     body = {"schema": SCHEMA, "version": VERSION,
             "device": f"{'CPU, 1 thread per role' if device == 'cpu' else torch.cuda.get_device_name(0)}",
             "source": f"afd_plan.py profile {model_dir} (load format {load_format}, {hf.num_hidden_layers} of "
                       f"{full_layers} layers built; layer {moe[0]}; median of {grid.repeats} after {grid.warmup} "
-                      "warm-up)",
+                      f"warm-up; {cache_text})",
             "model": model, "attention": attention, "ffn": ffn, "transport": wire, "step": step,
             "afd_step_extra_ms": round(extra, 4)}
     if not wire:

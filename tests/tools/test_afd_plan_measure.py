@@ -16,7 +16,7 @@ import pytest
 
 import afd_plan
 from afd_planner import measure
-from afd_planner.measure import Grid, time_call
+from afd_planner.measure import MIN_EVICTION_BYTES, CacheEvictor, Grid, last_level_cache_bytes, time_call
 from afd_planner.profile import load_profile
 
 pytest.importorskip("vllm")
@@ -51,6 +51,7 @@ def test_the_profile_reads_back_with_the_full_models_shape(measured):
     assert (shape.hidden_size, shape.num_layers, shape.num_experts, shape.top_k, shape.dtype_bytes) == (128, 3, 8, 2, 2)
     assert f"wrote {out}" in stdout
     assert "2 of 3 layers built; layer 1" in profile.source
+    assert "cold cache: " in profile.source  # on CPU every timed call starts with the caches evicted
 
 
 def test_every_sample_of_the_grid_is_there_positive_and_in_order(measured):
@@ -123,6 +124,32 @@ def test_time_call_times_repeats_after_warmup():
     timing = time_call(lambda: calls.append(1), warmup=2, repeats=5)
     assert len(calls) == 7
     assert 0 <= timing.min_ms <= timing.median_ms <= timing.max_ms
+
+
+def test_before_runs_untimed_ahead_of_every_timed_call_only():
+    events = []
+    time_call(lambda: events.append("call"), warmup=2, repeats=3, before=lambda: events.append("before"))
+    assert events == ["call", "call"] + ["before", "call"] * 3
+
+
+@pytest.mark.parametrize(("files", "expected"), [
+    ({"index0": "48K", "index2": "1024K", "index3": "32768K"}, 32 << 20),
+    ({"index0": "32K", "index1": "2M"}, 2 << 20),
+    ({"index0": "512"}, 512),
+    ({}, None),
+])
+def test_the_last_level_cache_is_the_largest_sysfs_cache(tmp_path, files, expected):
+    for index, size in files.items():
+        (tmp_path / index).mkdir()
+        (tmp_path / index / "size").write_text(size + "\n")
+    assert last_level_cache_bytes(tmp_path) == expected
+
+
+def test_the_evictor_writes_at_least_twice_the_last_level_cache():
+    evictor = CacheEvictor()
+    assert evictor.num_bytes >= max(MIN_EVICTION_BYTES, 2 * (last_level_cache_bytes() or 0))
+    evictor()
+    assert CacheEvictor(4096).num_bytes == 4096
 
 
 def test_the_control_payload_round_trip_is_timed():
