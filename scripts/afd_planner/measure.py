@@ -103,8 +103,8 @@ def last_level_cache_bytes(root: Path = Path("/sys/devices/system/cpu/cpu0/cache
 
 class CacheEvictor:
     """Writes a buffer of twice the last-level cache (at least MIN_EVICTION_BYTES) so that the next call reads its
-    weights from memory, as a layer does in the engine (measured on the 2-core box: 1.14-1.31x the warm time of
-    the attention layer, docs/planner.md#measured-through-the-models-layers-profile)."""
+    weights from memory, as a layer does in the engine.
+    What that changes: docs/planner.md#measured-through-the-models-layers-profile."""
 
     def __init__(self, num_bytes: int | None = None) -> None:
         import torch
