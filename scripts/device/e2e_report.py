@@ -4,7 +4,8 @@
 everything that needs no GPU and no vLLM lives here so that it is unit-tested on the CPU
 machine (tests/tools/test_device_scripts.py): phase selection, the fixed prompt sets, the
 greedy-token comparison (AFD vs plain vLLM, graphs vs eager), decode rates from timed
-requests, and the markdown rendering of `summary.json`.  Stdlib only.
+requests, the ratios the bench pairs by repetition, and the markdown rendering of `summary.json`.
+Stdlib only.
 """
 
 from __future__ import annotations
@@ -30,14 +31,22 @@ TEXT_PROMPTS = (
     "Numbers such as 1, 2, 3",
 )
 CHAT_MESSAGE = "How many legs does a spider have?"
-# First token id a bench prompt may use: the tiny tokenizer's 6 special tokens come first.
+# First token id a bench prompt may use: the tiny tokenizer's 6 special tokens come first.  Every model the
+# run serves, the real-shape ones included, has the tiny tokenizer's 512 ids (afd_harness.tiny_models).
 FIRST_PLAIN_TOKEN_ID = 6
 TINY_VOCAB_SIZE = 512
+# The bench's prompts (serving.bench_prompts) differ in their first two of these ids: at most their square.
+BENCH_PROMPT_IDS = TINY_VOCAB_SIZE - FIRST_PLAIN_TOKEN_ID
 
 # Variant names: the baseline everything is compared with, and the candidates.
 BASELINE = "plain_eager"
 # Micro-batch stage variants (serving.AFD_VARIANTS): each against the baseline and its one-stage twin.
 STAGE_VARIANTS = tuple(f"afd_ipc_{mode}_s{k}" for mode in ("eager", "graphs") for k in (2, 3))
+AFD_VARIANTS = ("afd_eager", "afd_ipc_eager", "afd_ipc_graphs", *STAGE_VARIANTS)
+# The bench's ratios taken per repetition (round_records.paired_records): (numerator, denominator) variants.
+PAIRED_RATIOS = (*((v, "plain_graphs") for v in AFD_VARIANTS), *((v, BASELINE) for v in AFD_VARIANTS),
+                 ("plain_graphs", BASELINE), ("afd_ipc_eager", "afd_eager"),
+                 *((v, v.rsplit("_s", 1)[0]) for v in STAGE_VARIANTS))
 COMPARISONS = (("afd_eager", BASELINE), ("plain_graphs", BASELINE), ("pristine_eager", BASELINE),
                ("afd_ipc_eager", BASELINE), ("afd_ipc_graphs", BASELINE), ("afd_ipc_graphs", "plain_graphs"),
                *((v, BASELINE) for v in STAGE_VARIANTS), *((v, v.rsplit("_s", 1)[0]) for v in STAGE_VARIANTS))
@@ -274,7 +283,7 @@ def _bench_lines(bench: Mapping[str, Any]) -> list[str]:
     return ["### Decode throughput (tok/s, median of repeats; ratios side by side)", "",
             markdown_table(["model", "batch", "plain eager", "plain graphs", "AFD eager (gloo)",
                             "AFD / plain eager", "AFD / plain graphs", "graphs / eager"], rows),
-            *_stage_lines(bench), *_prompt_len_lines(bench)]
+            *_stage_lines(bench), *_prompt_len_lines(bench), *_paired_lines(bench)]
 
 
 def _stage_lines(bench: Mapping[str, Any]) -> list[str]:
@@ -337,6 +346,33 @@ def _prompt_len_lines(bench: Mapping[str, Any]) -> list[str]:
     return ["", "### Decode throughput by prompt length (tok/s; AFD over IPC with graphs)", "",
             markdown_table(["model", "prompt tokens", "batch", "plain eager", "plain graphs", "AFD IPC graphs",
                             "AFD IPC graphs / plain graphs", "serving ms per crossing layer"], rows)]
+
+
+def _paired_lines(bench: Mapping[str, Any]) -> list[str]:
+    """The ratios taken per repetition (round_records.paired_records): median, min–max, halves, and the ratio of
+    the median rates beside them; one row per (model, prompt length, ratio, batch)."""
+    rows = []
+    for model, result in bench.get("models", {}).items():
+        for prompt_len, part in (result.get("by_prompt_len") or {result.get("prompt_len"): result}).items():
+            for name, by_batch in (part.get("paired") or {}).items():
+                for batch, cell in by_batch.items():
+                    low, high, gap = cell.get("min"), cell.get("max"), cell.get("halves_differ")
+                    paired = cell.get("num_paired", 0)
+                    rows.append([model, prompt_len, batch, name.replace("/", " ÷ "), cell.get("median"),
+                                 "—" if low is None else f"{low:.3g}–{high:.3g}", cell.get("first_half"),
+                                 cell.get("second_half"), "—" if gap is None else f"{100 * gap:.1f} %",
+                                 cell.get("median_of_rates"),
+                                 f"{paired}/{paired + cell.get('num_missing', 0)}"])
+    if not rows:
+        return []
+    return ["", "### Decode throughput ratios per repetition (the two variants' rates of one repetition divided)", "",
+            markdown_table(["model", "prompt tokens", "batch", "ratio", "median", "min–max", "first half",
+                            "second half", "halves differ", "median ÷ median", "reps paired"], rows),
+            "", "median: of the per-repetition ratios (both variants' requests ran in the same repetition, every "
+            "request with prompts of its own); first / second half: the medians of the first and the second half "
+            "of the repetitions in time (a middle one in neither), whose gap is what a second run of half the "
+            "length could show; median ÷ median: the median rates divided (the tables above); reps paired: "
+            "repetitions where both variants had a rate, of those recorded."]
 
 
 def _rtt_lines(rtt: Mapping[str, Any], bench: Mapping[str, Any]) -> list[str]:

@@ -129,7 +129,12 @@ def build_parser() -> argparse.ArgumentParser:
     add("--bench-tokens", type=int, default=128)
     add("--bench-prompt-len", type=_arg(lambda s: report.parse_int_list(s, "--bench-prompt-len")), default=[32],
         help="prompt tokens of the bench requests; several (e.g. 512,8192): one bench per length, same servers")
-    add("--bench-repeats", type=int, default=3)
+    add("--bench-repeats", type=int, default=3,
+        help="recorded repetitions after one warm-up; ratios are taken per repetition, so more repeats narrow "
+             "their min–max and make the first and second half comparable (6 or more)")
+    add("--bench-prefix-caching", action="store_true",
+        help="keep vLLM's prefix caching on in runs with the bench phase (by default those rounds' servers get "
+             "--no-enable-prefix-caching, so both requests of a sample compute their whole prefill)")
     add("--rtt-shapes", default="1x128,32x128,1x2048,64x2048,256x2048")
     add("--rtt-steps", type=int, default=100)
     add("--ipc-floor-shapes", default="1x128,32x128,1x2048,256x2048", help="ROWSxHIDDEN of the ipcfloor phase")
@@ -162,6 +167,20 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
                      "raise --max-num-seqs or lower the batch")
     if args.bench_tokens < 2:
         parser.error("--bench-tokens must be >= 2 (decode is timed as N tokens minus 1 token)")
+    if min(args.bench_prompt_len) < 2:
+        parser.error(f"--bench-prompt-len {min(args.bench_prompt_len)}: every bench prompt is unique in the run "
+                     "and its first two token ids spell its number; pass lengths >= 2")
+    needed = (2 * sum(args.bench_batches) * len(args.variants) * (1 + args.bench_repeats)
+              * len(args.bench_prompt_len))
+    if needed > report.BENCH_PROMPT_IDS ** 2:
+        parser.error(f"the bench would send {needed} prompts, more than the {report.BENCH_PROMPT_IDS ** 2} "
+                     "unique ones the tiny vocabulary makes; lower --bench-repeats, --bench-batches or the "
+                     "prompt lengths")
+    caching = ("--enable-prefix-caching", "--no-enable-prefix-caching")
+    if "bench" in args.phases and not args.bench_prefix_caching and not set(caching) & set(args.serve_args.split()):
+        # The rounds of this run serve the bench, the token cases of the same round and the pristine round alike,
+        # so every comparison's two sides keep the same flags.
+        args.serve_args = f"{args.serve_args} --no-enable-prefix-caching".strip()
 
 
 def main(argv: list[str] | None = None) -> int:

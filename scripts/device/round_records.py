@@ -6,10 +6,15 @@ Pure: the round's raw results in, the dicts of `summary["phases"]["tokens"|"benc
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
 from typing import Any
 
+# paired_rounds.py sits in scripts/ (repo_paths puts it on sys.path on the GPU machine).
+import repo_paths  # noqa: F401
 import e2e_report as report
 import ipc_report
+from paired_rounds import pair_rounds, relative_gap
 
 
 def tokens_record(result: dict[str, Any]) -> dict[str, Any]:
@@ -40,8 +45,45 @@ def bench_record(result: dict[str, Any], model: dict[str, Any]) -> dict[str, Any
         by_variant = ipc_report.per_layer_by_variant(bench["variants"], bench["batches"], num_layers)
         bench["serving_per_layer_ms_by_variant"] = by_variant
         bench["serving_per_layer_ms"] = by_variant.get("afd_eager", {})
+        bench["paired"] = paired_records(bench)
         for by_len in bench.get("by_prompt_len", {}).values():
             if "variants" in by_len:
                 by_len["serving_per_layer_ms_by_variant"] = ipc_report.per_layer_by_variant(
                     by_len["variants"], by_len["batches"], num_layers)
+                by_len["paired"] = paired_records(by_len)
     return bench
+
+
+def paired_records(part: Mapping[str, Any]) -> dict[str, dict[str, dict[str, Any]]]:
+    """Every ratio of report.PAIRED_RATIOS whose variants both ran, per batch, taken rep by rep.
+
+    "numerator/denominator" -> batch -> the median of the per-rep ratios with their min–max, the medians of the
+    first and the second half of the reps and their gap, the per-rep ratios (None where a rep lacks a rate), and
+    `median_of_rates`, the ratio of the two median rates (`variants`: the bench's older number).  Nothing for a
+    bench without `per_rep_tok_s` (one recorded before the rates were kept per rep).
+    """
+    per_rep, variants = part.get("per_rep_tok_s") or {}, part.get("variants", {})
+    records: dict[str, dict[str, dict[str, Any]]] = {}
+    for numerator, denominator in report.PAIRED_RATIOS:
+        if numerator not in per_rep or denominator not in per_rep:
+            continue
+        cells = {}
+        for batch in part.get("batches", []):
+            above, below = per_rep[numerator].get(str(batch), []), per_rep[denominator].get(str(batch), [])
+            cell = pair_rounds(above, below)
+            first, second = cell.halves
+            cells[str(batch)] = {
+                "median": _number(cell.median), "min": _number(cell.low), "max": _number(cell.high),
+                "first_half": _number(first), "second_half": _number(second),
+                "halves_differ": _number(relative_gap(first, second)),
+                "num_paired": len(cell.ratios), "num_missing": cell.missing,
+                "ratios": [n / d if n is not None and d is not None else None for n, d in zip(above, below)],
+                "median_of_rates": report.ratio(ipc_report.tok_s(variants, numerator, batch),
+                                                ipc_report.tok_s(variants, denominator, batch))}
+        records[f"{numerator}/{denominator}"] = cells
+    return records
+
+
+def _number(value: float) -> float | None:
+    """None for nan (too few reps): summary.json stays plain JSON."""
+    return None if math.isnan(value) else value

@@ -31,7 +31,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from e2e_report import CHAT_MESSAGE, TEXT_PROMPTS, bench_prompt_ids, decode_rate, median_rate
+# paired_rounds.py sits in scripts/ (repo_paths puts it on sys.path on the GPU machine).
+import repo_paths  # noqa: F401
+from e2e_report import (BENCH_PROMPT_IDS, CHAT_MESSAGE, FIRST_PLAIN_TOKEN_ID, TEXT_PROMPTS, bench_prompt_ids,
+                        decode_rate, median_rate)
+from paired_rounds import Prompts
 
 # variant name -> the server that answers its requests
 AFD_CONNECTOR = "P2pGlooAFDConnector"
@@ -298,32 +302,47 @@ class BenchPlan:
     timeout_s: float = 120.0
 
 
+def bench_prompts(length: int) -> Prompts:
+    """The bench's prompts: `length` plain token ids of the tiny tokenizer each, none repeated in the run."""
+    return Prompts(length, first_id=FIRST_PLAIN_TOKEN_ID, num_ids=BENCH_PROMPT_IDS)
+
+
 def run_decode_bench(urls: Mapping[str, str], plan: BenchPlan, time_left: Callable[[], float],
-                     reserve_s: float = 30.0, prompt_lens: Sequence[int] = ()) -> dict[str, Any]:
+                     reserve_s: float = 30.0, prompt_lens: Sequence[int] = (),
+                     send: Callable[..., Any] | None = None) -> dict[str, Any]:
     """The bench at ``plan.prompt_len``; with ``prompt_lens``, once per prompt length (same servers), the
-    first one's result at the top level and every one under ``by_prompt_len``."""
+    first one's result at the top level and every one under ``by_prompt_len``.  No prompt repeats in the run,
+    across lengths included; `send`: afd_harness.server.complete_batch unless given (tests)."""
+    prompts = bench_prompts(plan.prompt_len)
     if not prompt_lens:
-        return _decode_bench(urls, plan, time_left, reserve_s)
+        return _decode_bench(urls, plan, time_left, reserve_s, prompts, send)
     results = {}
     for prompt_len in prompt_lens:
+        prompts.length = prompt_len  # the count of prompts issued goes on: no length repeats another's prompts
         results[str(prompt_len)] = _decode_bench(
             urls, BenchPlan(batches=plan.batches, max_tokens=plan.max_tokens, prompt_len=prompt_len,
                             repeats=plan.repeats, warmup=plan.warmup, timeout_s=plan.timeout_s),
-            time_left, reserve_s)
+            time_left, reserve_s, prompts, send)
     return {**results[str(prompt_lens[0])], "by_prompt_len": results}
 
 
-def _decode_bench(urls: Mapping[str, str], plan: BenchPlan,
-                  time_left: Callable[[], float], reserve_s: float = 30.0) -> dict[str, Any]:
+def _decode_bench(urls: Mapping[str, str], plan: BenchPlan, time_left: Callable[[], float], reserve_s: float,
+                  prompts: Prompts, send: Callable[..., Any] | None = None) -> dict[str, Any]:
     """Interleaved decode timing: rep -> batch -> variant (rotated per rep), max_tokens vs 1-token requests.
 
+    Every request (the 1-token one too) has prompts of its own (`prompts`), so with prefix caching off both
+    requests of a sample compute the same prefill.  `per_rep_tok_s[variant][batch]` holds one entry per
+    recorded rep, None where the variant had no rate (its request failed, or an earlier one did), so that
+    ratios pair by rep (round_records.paired_records); `variants` keeps the median of the rates.
     `windows_ns` records when each measured max_tokens request ran (time.perf_counter_ns: CLOCK_MONOTONIC,
     the clock of the servers' timeline records too), so that stage_prediction.py finds its decode steps.
     """
-    from afd_harness.server import complete_batch
+    if send is None:
+        from afd_harness.server import complete_batch as send
 
     variants = list(urls)
     samples: dict[str, dict[int, list[Any]]] = {v: {b: [] for b in plan.batches} for v in variants}
+    per_rep: dict[str, dict[int, list[float | None]]] = {v: {b: [] for b in plan.batches} for v in variants}
     windows: dict[str, dict[int, list[list[int]]]] = {v: {b: [] for b in plan.batches} for v in variants}
     errors: dict[str, str] = {}
     token_counts_ok = True
@@ -331,30 +350,35 @@ def _decode_bench(urls: Mapping[str, str], plan: BenchPlan,
     for rep in range(plan.warmup + plan.repeats):
         if time_left() < reserve_s:
             break
+        recorded = rep >= plan.warmup
         order = variants[rep % len(variants):] + variants[:rep % len(variants)]
         for batch in plan.batches:
-            prompts = bench_prompt_ids(batch, plan.prompt_len, seed=batch)
             for variant in order:
-                if variant in errors:
-                    continue
-                try:
-                    started, started_ns = time.perf_counter(), time.perf_counter_ns()
-                    full = complete_batch(urls[variant], prompts, plan.max_tokens, timeout_s=plan.timeout_s,
-                                          ignore_eos=True)
-                    full_s, window = time.perf_counter() - started, [started_ns, time.perf_counter_ns()]
-                    started = time.perf_counter()
-                    complete_batch(urls[variant], prompts, 1, timeout_s=plan.timeout_s, ignore_eos=True)
-                    prefill_s = time.perf_counter() - started
-                except Exception as exc:  # noqa: BLE001 - one broken server must not void the others
-                    errors[variant] = f"{type(exc).__name__}: {exc}"[-2000:]
-                    continue
-                token_counts_ok &= all(len(g.token_ids or []) == plan.max_tokens for g in full)
-                if rep >= plan.warmup:
-                    samples[variant][batch].append(decode_rate(batch, plan.max_tokens, full_s, prefill_s))
-                    windows[variant][batch].append(window)
+                rate = None
+                if variant not in errors:
+                    try:
+                        full_prompts, prefill_prompts = prompts.batch(batch), prompts.batch(batch)
+                        started, started_ns = time.perf_counter(), time.perf_counter_ns()
+                        full = send(urls[variant], full_prompts, plan.max_tokens, timeout_s=plan.timeout_s,
+                                    ignore_eos=True)
+                        full_s, window = time.perf_counter() - started, [started_ns, time.perf_counter_ns()]
+                        started = time.perf_counter()
+                        send(urls[variant], prefill_prompts, 1, timeout_s=plan.timeout_s, ignore_eos=True)
+                        prefill_s = time.perf_counter() - started
+                    except Exception as exc:  # noqa: BLE001 - one broken server must not void the others
+                        errors[variant] = f"{type(exc).__name__}: {exc}"[-2000:]
+                    else:
+                        token_counts_ok &= all(len(g.token_ids or []) == plan.max_tokens for g in full)
+                        rate = decode_rate(batch, plan.max_tokens, full_s, prefill_s)
+                        if recorded:
+                            samples[variant][batch].append(rate)
+                            windows[variant][batch].append(window)
+                if recorded:
+                    per_rep[variant][batch].append(rate["tok_s"] if rate else None)
         completed_reps += 1
     return {"batches": list(plan.batches), "max_tokens": plan.max_tokens, "prompt_len": plan.prompt_len,
             "completed_reps": completed_reps, "warmup": plan.warmup, "token_counts_ok": token_counts_ok,
-            "errors": errors,
+            "errors": errors, "prompts": "unique per request",
             "variants": {v: {str(b): median_rate(s) for b, s in by_batch.items()} for v, by_batch in samples.items()},
+            "per_rep_tok_s": {v: {str(b): reps for b, reps in by_batch.items()} for v, by_batch in per_rep.items()},
             "windows_ns": {v: {str(b): spans for b, spans in by_batch.items()} for v, by_batch in windows.items()}}

@@ -17,6 +17,7 @@ import sys
 import tarfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from hypothesis import given
@@ -26,6 +27,7 @@ import e2e_report as report
 import gpu_e2e
 import install_overlay
 import phases
+import round_records
 import run_state
 import serving
 from bench_connector_rtt import parse_shapes, run_bench
@@ -475,3 +477,172 @@ def test_bench_prompt_lengths_parse_as_a_list(capsys):
     args = gpu_e2e.build_parser().parse_args(["--out", "/tmp/x", "--bench-prompt-len", "512,8192", "--timeline"])
 
     assert args.bench_prompt_len == [512, 8192] and args.timeline
+
+
+# ---- the decode bench's method: unique prompts, per-rep samples, ratios paired by rep ----------------------
+
+
+class FakeServers:
+    """Stands in for afd_harness.server.complete_batch: records every request; a max_tokens request takes
+    `full_s`, a 1-token one nothing; the server at `failing_url` raises from its `failing_from`-th request on."""
+
+    def __init__(self, full_s: float = 0.0, failing_url: str = "", failing_from: int = 0) -> None:
+        self.full_s, self.failing_url, self.failing_from = full_s, failing_url, failing_from
+        self.requests: list[tuple[str, list[tuple[int, ...]], int]] = []
+
+    def __call__(self, url, prompts, max_tokens, *, timeout_s, ignore_eos):
+        self.requests.append((url, [tuple(p) for p in prompts], max_tokens))
+        if url == self.failing_url and sum(r[0] == url for r in self.requests) >= self.failing_from:
+            raise ConnectionError("server gone")
+        if max_tokens > 1:
+            time.sleep(self.full_s)
+        return [SimpleNamespace(token_ids=[7] * max_tokens) for _ in prompts]
+
+
+URLS = {"plain_eager": "http://eager", "plain_graphs": "http://graphs", "afd_ipc_graphs": "http://afd"}
+
+
+def test_no_prompt_repeats_over_a_whole_bench_plan():
+    """Every request (the 1-token one too), every rep (warm-up included), every prompt length: its own prompts."""
+    fake = FakeServers()
+    plan = serving.BenchPlan(batches=(1, 4), max_tokens=3, prompt_len=5, repeats=2, warmup=1)
+
+    result = serving.run_decode_bench(URLS, plan, lambda: 1e9, prompt_lens=(5, 7), send=fake)
+
+    prompts = [p for _, batch, _ in fake.requests for p in batch]
+    assert len(prompts) == 2 * 3 * (1 + 4) * 3 * 2  # lengths x reps x rows x variants x (full, 1-token)
+    assert len(set(prompts)) == len(prompts)
+    assert len({p[:2] for p in prompts}) == len(prompts)  # no two share a first block, across lengths too
+    assert sorted({len(p) for p in prompts}) == [5, 7]
+    assert all(report.FIRST_PLAIN_TOKEN_ID <= i < report.TINY_VOCAB_SIZE for p in prompts for i in p)
+    assert sorted(result["by_prompt_len"]) == ["5", "7"] and result["completed_reps"] == 3
+
+
+def test_the_bench_prompts_fit_every_models_vocabulary():
+    """The tiny and the real-shape models share the tiny tokenizer: ids 6..511 are plain tokens in all of them."""
+    from afd_harness import tiny_models
+
+    assert tiny_models.VOCAB_SIZE == report.TINY_VOCAB_SIZE
+    assert len(tiny_models.SPECIAL_TOKENS) == report.FIRST_PLAIN_TOKEN_ID
+    assert all("vocab_size" not in arch.config for arch in tiny_models.TINY_ARCHS.values())
+    prompts = serving.bench_prompts(3)
+    assert prompts.capacity == (report.TINY_VOCAB_SIZE - report.FIRST_PLAIN_TOKEN_ID) ** 2
+    assert max(i for p in prompts.batch(600) for i in p) == report.TINY_VOCAB_SIZE - 1
+
+
+def test_an_erroring_variant_keeps_its_place_in_every_rep_as_none():
+    # The AFD server answers the warm-up rep and the first recorded one (4 requests each), then fails.
+    fake = FakeServers(full_s=0.03, failing_url=URLS["afd_ipc_graphs"], failing_from=9)
+    plan = serving.BenchPlan(batches=(1, 2), max_tokens=3, prompt_len=4, repeats=3, warmup=1)
+
+    result = serving.run_decode_bench(URLS, plan, lambda: 1e9, send=fake)
+
+    per_rep = result["per_rep_tok_s"]
+    assert set(per_rep) == set(URLS) and result["completed_reps"] == 4
+    for batch in ("1", "2"):
+        assert all(len(per_rep[v][batch]) == 3 for v in URLS)  # the warm-up rep is not recorded
+        assert all(isinstance(x, float) for v in ("plain_eager", "plain_graphs") for x in per_rep[v][batch])
+        assert isinstance(per_rep["afd_ipc_graphs"][batch][0], float)
+        assert per_rep["afd_ipc_graphs"][batch][1:] == [None, None]
+        assert len(result["windows_ns"]["afd_ipc_graphs"][batch]) == 1
+        assert result["variants"]["afd_ipc_graphs"][batch]["num_samples"] == 1
+    assert "ConnectionError: server gone" in result["errors"]["afd_ipc_graphs"]
+
+    bench = round_records.bench_record({"bench": result}, {"config": {"num_hidden_layers": 3, "hidden_size": 128}})
+
+    cell = bench["paired"]["afd_ipc_graphs/plain_graphs"]["2"]
+    assert (cell["num_paired"], cell["num_missing"]) == (1, 2)
+    assert cell["ratios"][1:] == [None, None] and cell["median"] == cell["ratios"][0]
+    assert cell["first_half"] is None and cell["halves_differ"] is None  # one paired rep has no halves
+    assert bench["paired"]["plain_graphs/plain_eager"]["2"]["num_paired"] == 3
+
+
+def _rates(values):
+    return report.median_rate([{"tok_s": v, "tpot_ms": 1000.0 / v} for v in values])
+
+
+def _bench_with_reps(per_rep, batch=32, prompt_len=32):
+    return {"batches": [batch], "prompt_len": prompt_len,
+            "variants": {v: {str(batch): _rates(reps)} for v, reps in per_rep.items()},
+            "per_rep_tok_s": {v: {str(batch): list(reps)} for v, reps in per_rep.items()}}
+
+
+MODEL = {"config": {"num_hidden_layers": 3, "hidden_size": 128}}
+# Per-rep ratios AFD ÷ plain graphs 0.95, 0.8, 1.1, 0.5: median 0.875, halves 0.875 and 0.8; the median rates give
+# 53 / 65 = 0.815; rates paired after sorting (not by rep) would give 0.821.
+REPS = {"plain_eager": [50.0, 25.0, 30.0, 35.0], "plain_graphs": [100.0, 50.0, 60.0, 70.0],
+        "afd_ipc_graphs": [95.0, 40.0, 66.0, 35.0]}
+
+
+def test_ratios_pair_by_rep_with_their_spread_halves_and_the_old_ratio_of_medians():
+    bench = round_records.bench_record({"bench": _bench_with_reps(REPS)}, MODEL)
+
+    assert sorted(bench["paired"]) == ["afd_ipc_graphs/plain_eager", "afd_ipc_graphs/plain_graphs",
+                                       "plain_graphs/plain_eager"]
+    cell = bench["paired"]["afd_ipc_graphs/plain_graphs"]["32"]
+    assert cell["ratios"] == pytest.approx([0.95, 0.8, 1.1, 0.5])
+    assert cell["median"] == pytest.approx(0.875)
+    assert (cell["min"], cell["max"]) == pytest.approx((0.5, 1.1))
+    assert (cell["first_half"], cell["second_half"]) == pytest.approx((0.875, 0.8))
+    assert cell["halves_differ"] == pytest.approx(0.09375)
+    assert cell["median_of_rates"] == pytest.approx(53.0 / 65.0)
+    assert (cell["num_paired"], cell["num_missing"]) == (4, 0)
+    assert bench["paired"]["plain_graphs/plain_eager"]["32"]["median"] == pytest.approx(2.0)
+    # The old keys stand: median rates per variant, the serving cost per layer.
+    assert bench["variants"]["afd_ipc_graphs"]["32"]["tok_s"] == pytest.approx(53.0)
+    assert set(bench["serving_per_layer_ms_by_variant"]) == {"afd_ipc_graphs"}
+
+
+def test_every_prompt_length_gets_its_own_paired_ratios_and_an_old_bench_none():
+    parts = {"512": _bench_with_reps(REPS, prompt_len=512),
+             "8192": _bench_with_reps({**REPS, "afd_ipc_graphs": [50.0, 25.0, 30.0, 35.0]}, prompt_len=8192)}
+    bench = round_records.bench_record({"bench": {**parts["512"], "by_prompt_len": parts}}, MODEL)
+
+    assert bench["by_prompt_len"]["8192"]["paired"]["afd_ipc_graphs/plain_graphs"]["32"]["median"] == 0.5
+    assert bench["by_prompt_len"]["512"]["paired"]["afd_ipc_graphs/plain_graphs"]["32"]["median"] == 0.875
+    old = {"batches": [32], "variants": {v: {"32": _rates(r)} for v, r in REPS.items()}}
+    assert round_records.bench_record({"bench": old}, MODEL)["paired"] == {}
+
+
+def test_the_report_prints_each_per_rep_ratio_with_its_spread_and_halves():
+    bench = round_records.bench_record({"bench": _bench_with_reps(REPS)}, MODEL)
+
+    text = report.render_markdown({"phases": {"bench": {"status": "ok", "models": {"m": bench}}}})
+
+    assert "### Decode throughput ratios per repetition" in text
+    assert ("| m | 32 | 32 | afd_ipc_graphs ÷ plain_graphs | 0.875 | 0.5–1.1 | 0.875 | 0.8 | 9.4 % | 0.815 | 4/4 |"
+            in text)
+    assert "| m | 32 | 32 | plain_graphs ÷ plain_eager | 2 | 2–2 | 2 | 2 | 0.0 % | 2 | 4/4 |" in text
+    assert "| m | 32 | 32.5 | 65 | — | — | — | 2 |" in text  # the median-of-rates table stands
+
+
+def test_the_report_of_a_short_bench_prints_dashes_for_missing_halves():
+    reps = {"plain_graphs": [100.0, None], "afd_ipc_graphs": [80.0, 90.0]}
+    bench = round_records.bench_record({"bench": _bench_with_reps({"plain_graphs": [100.0], "afd_ipc_graphs": [80.0]})
+                                        | {"per_rep_tok_s": {v: {"32": r} for v, r in reps.items()}}}, MODEL)
+
+    text = report.render_markdown({"phases": {"bench": {"status": "ok", "models": {"m": bench}}}})
+
+    assert "| m | 32 | 32 | afd_ipc_graphs ÷ plain_graphs | 0.8 | 0.8–0.8 | — | — | — | 0.8 | 1/2 |" in text
+
+
+def test_the_paired_ratios_name_only_variants_the_round_knows():
+    assert set(report.AFD_VARIANTS) == set(serving.AFD_VARIANTS)
+    names = {name for pair in report.PAIRED_RATIOS for name in pair}
+    assert names <= set(serving.VARIANT_SERVERS) and len(set(report.PAIRED_RATIOS)) == len(report.PAIRED_RATIOS)
+    assert ("afd_ipc_graphs_s2", "afd_ipc_graphs") in report.PAIRED_RATIOS
+    assert ("afd_ipc_graphs", "plain_graphs") in report.PAIRED_RATIOS
+
+
+def test_a_run_with_the_bench_serves_without_prefix_caching_unless_asked(capsys):
+    assert _parse("--phases", "tokens,bench").serve_args == "--no-enable-prefix-caching"
+    assert _parse().serve_args == "--no-enable-prefix-caching"  # the default phases include the bench
+    assert _parse("--phases", "tokens").serve_args == ""
+    assert _parse("--phases", "bench", "--bench-prefix-caching").serve_args == ""
+    assert _parse("--phases", "bench", "--serve-args=--enable-prefix-caching").serve_args == "--enable-prefix-caching"
+    assert _parse("--phases", "bench", "--serve-args=--seed 1").serve_args == "--seed 1 --no-enable-prefix-caching"
+    for argv, message in ((["--bench-prompt-len", "1,512"], "pass lengths >= 2"),
+                          (["--bench-batches", "64", "--bench-repeats", "500"], "unique ones the tiny vocabulary")):
+        with pytest.raises(SystemExit):
+            _parse(*argv)
+        assert message in capsys.readouterr().err
