@@ -28,9 +28,20 @@ the engine core, the API server) — the places a bubble hides.  `--pin-processe
 a role to its core (otherwise only the workers' OpenMP threads are, and the engine core and API server
 float).  The model must have per-layer compute >= transport: `--arch qwen3_moe_1k_4l` (dummy weights).
 
+`--layout xAyF` (1A1F, 2A1F, 2A2F) starts each AFD deployment with the flags of tests/e2e: the attention
+`--data-parallel-size x`, the FFN `--data-parallel-size y --enable-expert-parallel` at y > 1 (then every
+server in float32, as tests/e2e/test_afd_pool.py, unless `--dtype`), `num_attention_ranks` x and `num_ffn_ranks`
+y; every attention rank's OpenMP threads on core 1, every FFN rank's on core 0.  Its plain baseline is vLLM's own
+DP x (with `--enable-expert-parallel` where the AFD FFN runs it, or with `--plain-expert-parallel`), one rank
+per core: the same CPU, each plain rank decoding what one attention rank does.  With `--pin-processes` every
+process of the attention server is on core 1, of the FFN server on core 0, of a plain DP baseline on cores 0-1.
+More ranks than cores oversubscribe them (printed).  `--predict PROFILE.json` prints, beside every measured
+AFD ÷ plain ratio, the planner's (scripts/afd_plan.py predict: colocated DP x EP on x ranks ÷ AFD xA:yF, at
+the batch per attention rank).
+
     python scripts/bench_afd_cpu.py --arch qwen3_moe_1k_4l --batch-sizes 1,8,16,32 --num-stages 1 2 3 \\
-        [--pin-processes] [--plain-2-cores] [--min-tokens-per-stage N] [--repeats N] [--max-other-cores X] \\
-        [--out evidence]
+        [--layout 2A1F] [--predict PROFILE.json] [--pin-processes] [--plain-2-cores] [--min-tokens-per-stage N] \\
+        [--repeats N] [--max-other-cores X] [--out evidence]
 """
 
 from __future__ import annotations
@@ -38,17 +49,23 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import json
+import math
 import os
+import re
 import statistics
 import sys
 import tempfile
 import time
 from collections import defaultdict
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import stage_model
+from afd_planner.cost import CostModel
+from afd_planner.links import LINKS, parse_link
+from afd_planner.profile import load_profile
 from vllm_afd.config import DEFAULT_MIN_TOKENS_PER_STAGE
 
 from afd_harness.afd import AFDDeployment
@@ -57,6 +74,8 @@ from afd_harness.tiny_models import build_tiny_model, read_recipe, serve_env
 
 REPO = Path(__file__).resolve().parents[1]
 CLK_TCK = os.sysconf("SC_CLK_TCK")
+# Per server: a DP server starts several engine cores and API servers on two shared cores (AFDDeployment's default).
+STARTUP_TIMEOUT_S = 600.0
 # The CPU-share key of other jobs: the machine's busy CPU beyond every deployment's and this script's.
 OTHER_JOBS = "other jobs"
 
@@ -188,6 +207,127 @@ def run_rounds(targets: list[Target], batch_sizes: list[int], num_decode_tokens:
               + (f", other jobs {min(others):.2f}-{max(others):.2f} cores" if others else "") + ")", flush=True)
 
 
+# ---- layouts (pure) -------------------------------------------------------------------------------
+
+MAX_RANKS_PER_ROLE = 2
+LAYOUT_FORM = re.compile(r"([0-9]+)A([0-9]+)F")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """AFD xA:yF on this machine, with the flags and cores of tests/e2e: x attention DP ranks, y FFN DP ranks (with
+    vLLM's expert parallelism at y > 1), every attention rank on core 1, every FFN rank on core 0; and its plain
+    vLLM baseline: DP x (each plain rank decodes what one attention rank does), its ranks one per core."""
+
+    attention_ranks: int
+    ffn_ranks: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.attention_ranks}A{self.ffn_ranks}F"
+
+    @property
+    def ranks(self) -> int:
+        return self.attention_ranks + self.ffn_ranks
+
+    @property
+    def expert_parallel(self) -> bool:
+        """The FFN runs vLLM's expert parallelism (tests/e2e/test_afd_pool.py: an FFN pool is DP with EP)."""
+        return self.ffn_ranks > 1
+
+    def afd_fields(self) -> dict[str, int]:
+        if (self.attention_ranks, self.ffn_ranks) == (1, 1):
+            return {}
+        return {"num_attention_ranks": self.attention_ranks, "num_ffn_ranks": self.ffn_ranks}
+
+    def attention_args(self) -> list[str]:
+        return ["--data-parallel-size", str(self.attention_ranks)] if self.attention_ranks > 1 else []
+
+    def ffn_args(self) -> list[str]:
+        return ["--data-parallel-size", str(self.ffn_ranks), "--enable-expert-parallel"] if self.ffn_ranks > 1 else []
+
+    @property
+    def attention_cpus(self) -> str:
+        """VLLM_CPU_OMP_THREADS_BIND of the attention server: core 1 for each of its DP ranks ("1|1")."""
+        return "|".join(["1"] * self.attention_ranks)
+
+    @property
+    def ffn_cpus(self) -> str:
+        return "|".join(["0"] * self.ffn_ranks)
+
+    @property
+    def plain_ranks(self) -> int:
+        return self.attention_ranks
+
+    def plain_args(self, expert_parallel: bool) -> list[str]:
+        """The plain baseline's vLLM flags: DP x, with `--enable-expert-parallel` where asked (and DP > 1)."""
+        if self.plain_ranks == 1:
+            return []
+        return ["--data-parallel-size", str(self.plain_ranks), *(["--enable-expert-parallel"] * expert_parallel)]
+
+    @property
+    def plain_cpus(self) -> str:
+        """The plain baseline's OpenMP binds: one core per rank ("0" for one rank, "0|1" for two)."""
+        return "|".join(str(rank) for rank in range(self.plain_ranks))
+
+    def plain_label(self, expert_parallel: bool) -> str:
+        if self.plain_ranks == 1:
+            return "plain 1 core"
+        return f"plain DP {self.plain_ranks}{' + EP' if expert_parallel else ''}"
+
+    def oversubscribes(self, cores: int) -> bool:
+        """More ranks (one OpenMP thread each) than cores: the roles' ranks share their core."""
+        return self.ranks > cores
+
+
+def parse_layout(text: str) -> Layout:
+    """`xAyF` (case-insensitive) with 1 <= y <= x <= MAX_RANKS_PER_ROLE; argparse's type for `--layout`."""
+    form = LAYOUT_FORM.fullmatch(text.strip().upper())
+    x, y = (int(form.group(1)), int(form.group(2))) if form else (0, 0)
+    if not (form and 1 <= y <= x <= MAX_RANKS_PER_ROLE):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: expected xAyF with 1 <= y <= x <= {MAX_RANKS_PER_ROLE} (1A1F, 2A1F or 2A2F): x attention "
+            "ranks (the attention's --data-parallel-size), y FFN ranks (the FFN's --data-parallel-size, with "
+            "--enable-expert-parallel at y > 1); A >= F is the layout rule of docs/topology.md")
+    return Layout(x, y)
+
+
+# ---- the planner's prediction (pure) --------------------------------------------------------------
+
+# What a predicted AFD ÷ plain cell compares (scripts/afd_plan.py predict's two calls, printed under the report).
+PREDICTION_NOTE = (
+    "predicted (in brackets after a measured AFD ÷ plain ratio): the planner (afd_planner, as "
+    "`afd_plan.py predict {profile}{link} --context {context}`) at batch ceil(B / {x}) per attention rank: "
+    "colocated DP x EP on {x} rank(s) (`--attention-ranks {x} --ffn-ranks 0`, the one colocated layout `predict` "
+    "models) ÷ AFD {layout} (`--attention-ranks {x} --ffn-ranks {y} --stages k`, k stages where the rank's batch "
+    ">= k x min_tokens_per_stage {min_tokens}, else 1), one step's time each, both decoding B; {layers} layers, "
+    "context {context} = prompt + half the decode tokens.{mismatch}")
+
+
+def planner_model(profile: Path, num_layers: int | None = None, link: str | None = None) -> CostModel:
+    """`afd_plan.py predict`'s cost model: the profile, its layer count replaced where given; `link` as --link."""
+    loaded = load_profile(profile)
+    if num_layers is not None:
+        loaded = replace(loaded, model=replace(loaded.model, num_layers=num_layers))
+    wire = parse_link(link) if link else None
+    return CostModel.from_profile(loaded, wire, wire or LINKS["nvlink"])
+
+
+def predicted_ratios(model: CostModel, layout: Layout, batch_sizes: Sequence[int], stages: Sequence[int],
+                     context: int, min_tokens_per_stage: int) -> dict[tuple[int, int], float]:
+    """(k, batch) -> predicted AFD k stages ÷ plain throughput at `batch` requests in all: the colocated DP x EP
+    step on the plain's ranks over the AFD step, both at ceil(batch / x) requests per rank (the busiest rank
+    sets a DP step's pace)."""
+    ratios = {}
+    for b in batch_sizes:
+        per_rank = math.ceil(b / layout.attention_ranks)
+        plain_ms = model.colocated_dp_ep_ms(layout.plain_ranks, per_rank, context)
+        for k in stages:
+            ran = stage_model.stages_run(k, per_rank, min_tokens_per_stage)
+            ratios[(k, b)] = plain_ms / model.afd_ms(layout.attention_ranks, layout.ffn_ranks, ran, per_rank, context)
+    return ratios
+
+
 # ---- per-round ratios (pure) ----------------------------------------------------------------------
 
 
@@ -300,9 +440,10 @@ def ratio_cells(targets: list[Target], batch_sizes: list[int],
 
 
 def report(targets: list[Target], batch_sizes: list[int], title: str, min_tokens_per_stage: int,
-           max_other_cores: float = float("inf")) -> list[str]:
-    """Markdown: tok/s per target, AFD k ÷ 1 measured vs predicted, ÷ plain; their spread and halves; then the
-    per-exchange detail."""
+           max_other_cores: float = float("inf"), planned: dict[tuple[int, int], float] | None = None,
+           planned_note: str = "") -> list[str]:
+    """Markdown: tok/s per target, AFD k ÷ 1 measured vs predicted, ÷ plain (with the planner's prediction where
+    `planned`: (k, batch) -> ratio); their spread and halves; then the per-exchange detail."""
     plain = [t for t in targets if t.num_stages is None]
     afd = {t.num_stages: t for t in targets if t.num_stages is not None}
     stages = sorted(afd)
@@ -314,7 +455,8 @@ def report(targets: list[Target], batch_sizes: list[int], title: str, min_tokens
             stage_model.fit_linear([(b, c.t) for b, c in one])) if one else None
     split = [k for k in stages if k > 1 and 1 in afd]
     head = ["batch", *[f"{t.label} tok/s" for t in targets],
-            *[f"{k} ÷ 1 stage (predicted)" for k in split], *[f"{k} ÷ {plain[0].label}" for k in stages if plain],
+            *[f"{k} ÷ 1 stage (predicted)" for k in split],
+            *[f"{k} ÷ {plain[0].label}{' (planner)' if planned is not None else ''}" for k in stages if plain],
             "rounds kept"]
     lines = [title, "", "| " + " | ".join(head) + " |", "|" + "---:|" * len(head)]
     for b in batch_sizes:
@@ -326,11 +468,14 @@ def report(targets: list[Target], batch_sizes: list[int], title: str, min_tokens
                 step_1 = 1000.0 * b / rate[afd[1].label][b]
                 predicted = f"{step_1 / stage_model.predicted_step_ms(step_1, fits, b, c1.num_layers, ran):.2f}"
             row.append(f"{cells[(afd[k].label, afd[1].label, b)].median:.2f} ({predicted})")
-        row += [f"{cells[(afd[k].label, plain[0].label, b)].median:.2f}" for k in stages if plain]
+        row += [f"{cells[(afd[k].label, plain[0].label, b)].median:.2f}" + planned_cell(planned, k, b)
+                for k in stages if plain]
         kept = [len(cell.ratios) for (_, _, batch), cell in cells.items() if batch == b]
         total = [len(cell.all_ratios) for (_, _, batch), cell in cells.items() if batch == b]
         row.append(f"{min(kept, default=0)}/{max(total, default=0)}")
         lines.append("| " + " | ".join(row) + " |")
+    if planned is not None and planned_note:
+        lines += ["", planned_note]
     lines += ["", f"tok/s: medians of all rounds; ratios: medians of the per-round ratios of the rounds kept (other "
               f"jobs <= {max_other_cores:g} cores in both samples). Spread and the run's own reproducibility estimate "
               "(median of the first half of the kept rounds vs the second half):", "",
@@ -372,7 +517,15 @@ def report(targets: list[Target], batch_sizes: list[int], title: str, min_tokens
     return lines
 
 
-def write_plot(rows: list[tuple[int, float, float]], path: Path) -> None:
+def planned_cell(planned: dict[tuple[int, int], float] | None, k: int, b: int) -> str:
+    """" (0.97)": the planner's ratio after a measured one; "" without a prediction."""
+    if planned is None:
+        return ""
+    return f" ({planned[(k, b)]:.2f})" if (k, b) in planned else " (—)"
+
+
+def write_plot(rows: list[tuple[int, float, float]], path: Path, plain_label: str = "plain vLLM (1 core)",
+               afd_label: str = "AFD 1A1F gloo (2 cores)") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -381,8 +534,8 @@ def write_plot(rows: list[tuple[int, float, float]], path: Path) -> None:
     labels = [f"batch {b}" for b, _, _ in rows]
     xs = range(len(rows))
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.bar([x - 0.2 for x in xs], [p for _, p, _ in rows], width=0.4, label="plain vLLM (1 core)")
-    ax.bar([x + 0.2 for x in xs], [a for _, _, a in rows], width=0.4, label="AFD 1A1F gloo (2 cores)")
+    ax.bar([x - 0.2 for x in xs], [p for _, p, _ in rows], width=0.4, label=plain_label)
+    ax.bar([x + 0.2 for x in xs], [a for _, _, a in rows], width=0.4, label=afd_label)
     ax.set_xticks(list(xs), labels)
     ax.set_ylabel("decode tokens / s")
     ax.set_title("AFD vs plain vLLM on CPU (tiny Qwen3-MoE)")
@@ -394,6 +547,19 @@ def write_plot(rows: list[tuple[int, float, float]], path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", default="qwen3_moe")
+    parser.add_argument("--layout", type=parse_layout, default=Layout(1, 1),
+                        help="AFD xAyF, 1 <= y <= x <= 2 (default 1A1F): x attention DP ranks on core 1, y FFN DP "
+                             "ranks (EP at y > 1) on core 0; plain vLLM runs DP x, one rank per core")
+    parser.add_argument("--dtype", help="every server's --dtype (default: float32 where the FFN runs expert "
+                                        "parallelism, as tests/e2e/test_afd_pool.py; else the checkpoint's)")
+    parser.add_argument("--plain-expert-parallel", action="store_true",
+                        help="plain DP with --enable-expert-parallel also where the AFD FFN runs without (2A1F): "
+                             "the colocated DP x EP the planner models")
+    parser.add_argument("--predict", type=Path, metavar="PROFILE.json",
+                        help="print the planner's AFD ÷ plain prediction (afd_plan.py predict) by each measured one")
+    parser.add_argument("--predict-link",
+                        help="afd_plan.py predict's --link for --predict (default: the profile's transport, "
+                             "collectives on nvlink)")
     parser.add_argument("--batch-sizes", default="1,8")
     parser.add_argument("--decode-tokens", type=int, default=48)
     parser.add_argument("--prompt-tokens", type=int, default=DEFAULT_PROMPT_TOKENS,
@@ -422,7 +588,24 @@ def main(argv: list[str] | None = None) -> int:
     if args.prompt_tokens < 2 or args.repeats < 1 or args.warmup_rounds < 0:
         parser.error(f"need --prompt-tokens >= 2, --repeats >= 1, --warmup-rounds >= 0; got {args.prompt_tokens}, "
                      f"{args.repeats}, {args.warmup_rounds}")
+    layout: Layout = args.layout
+    if args.plain_expert_parallel and layout.plain_ranks == 1:
+        parser.error(f"--plain-expert-parallel needs a plain baseline of several DP ranks; layout {layout.name} "
+                     "has one (pass --layout 2A1F)")
+    plain_ep = layout.expert_parallel or args.plain_expert_parallel
+    dtype = args.dtype or ("float32" if layout.expert_parallel else None)
+    profile_layers = None
+    if args.predict is not None:
+        try:  # checked before any server starts
+            profile_layers = planner_model(args.predict, None, args.predict_link).shape.num_layers
+        except ValueError as exc:  # ProfileError and a bad --predict-link included: the message names the field
+            parser.error(f"--predict {args.predict}: {exc}")
     PROMPTS.length = args.prompt_tokens
+    cores = len(os.sched_getaffinity(0))
+    oversubscribed = layout.oversubscribes(cores)
+    if oversubscribed:
+        print(f"layout {layout.name} oversubscribes the cores: {layout.ranks} ranks on {cores} cores (attention "
+              f"ranks share core 1, FFN ranks core 0; nothing can be pinned one rank per core)", flush=True)
 
     model = build_tiny_model(args.arch, REPO / "models" / args.arch)
     env = serve_env(model)
@@ -431,28 +614,57 @@ def main(argv: list[str] | None = None) -> int:
     # Prefix caching off: every sample computes its whole prefill (and no split step is vetoed for a prefix hit).
     serve_args = [*read_recipe(model)["serve_args"], "--no-enable-prefix-caching",
                   "--max-num-seqs", str(max(batch_sizes)),
-                  "--max-model-len", str(max(512, args.prompt_tokens + args.decode_tokens + 64))]
+                  "--max-model-len", str(max(512, args.prompt_tokens + args.decode_tokens + 64)),
+                  *(["--dtype", dtype] if dtype else [])]
+    num_layers = json.loads((model / "config.json").read_text())["num_hidden_layers"]
+    planned, planned_note = None, ""
+    if args.predict is not None:
+        # As `predict --num-layers`: the served model's crossing layers (a profile built with --layers keeps the full
+        # model's count, the same as the served model's).
+        planned_model = planner_model(args.predict, num_layers, args.predict_link)
+        context = args.prompt_tokens + args.decode_tokens // 2
+        min_tokens = args.min_tokens_per_stage or DEFAULT_MIN_TOKENS_PER_STAGE
+        planned = predicted_ratios(planned_model, layout, batch_sizes, num_stages, context, min_tokens)
+        mismatch = "" if plain_ep or layout.plain_ranks == 1 else (
+            f" The measured plain baseline runs DP {layout.plain_ranks} without EP (every expert's width split over "
+            "the ranks): not the layout predicted; --plain-expert-parallel measures that one.")
+        if oversubscribed:
+            mismatch += (f" The planner gives every rank a device of its own (AFD {layout.ranks}, plain "
+                         f"{layout.plain_ranks}); here {layout.ranks} ranks share {cores} cores.")
+        if profile_layers != num_layers:
+            mismatch += f" The profile's {profile_layers} layers replaced by the served model's {num_layers}."
+        planned_note = PREDICTION_NOTE.format(
+            profile=args.predict, link=f" --link {args.predict_link}" if args.predict_link else "", context=context,
+            x=layout.attention_ranks, y=layout.ffn_ranks, layout=layout.name, min_tokens=min_tokens,
+            layers=num_layers, mismatch=mismatch)
     logs = Path(tempfile.mkdtemp(prefix="afd-bench-"))
     print(f"logs and timelines: {logs}", flush=True)
     targets: list[Target] = []
     with contextlib.ExitStack() as stack:
-        plains = [("plain 1 core", "0")] + ([("plain 2 cores", "0-1")] if args.plain_2_cores else [])
-        for label, cpus in plains:
-            prefix = ("taskset", "-c", cpus) if args.pin_processes else ()
+        # Pinned (--pin-processes): plain 1 core on core 0, a plain of several DP ranks on both cores ("0-1").
+        plains = [(layout.plain_label(plain_ep), layout.plain_cpus, "0-1" if layout.plain_ranks > 1 else "0",
+                   layout.plain_args(plain_ep))]
+        plains += [("plain 2 cores", "0-1", "0-1", [])] if args.plain_2_cores else []
+        for label, cpus, pinned, parallel in plains:
+            prefix = ("taskset", "-c", pinned) if args.pin_processes else ()
             server = stack.enter_context(VllmServer(
                 model, python=sys.executable, launcher="cli", log_path=logs / f"{label.replace(' ', '-')}.log",
-                env={**cpu_server_env(omp_cpus=cpus), **env}, extra_args=serve_args, command_prefix=prefix))
+                env={**cpu_server_env(omp_cpus=cpus), **env}, extra_args=[*parallel, *serve_args],
+                command_prefix=prefix, startup_timeout_s=STARTUP_TIMEOUT_S))
             targets.append(Target(label, server.base_url, {"plain": server.pgid}))
         for k in num_stages:
             log_dir = logs / f"stages-{k}"
-            fields: dict[str, object] = {"num_stages": k}
+            fields: dict[str, object] = {**layout.afd_fields(), "num_stages": k}
             if args.min_tokens_per_stage is not None and k > 1:
                 fields["min_tokens_per_stage"] = args.min_tokens_per_stage
-            if not args.no_timeline and len(num_stages) > 1:
+            # NOTE: the timeline's detail (stage_model) reads attention rank 0's steps of the whole batch: 1A1F only.
+            if not args.no_timeline and len(num_stages) > 1 and layout.attention_ranks == 1:
                 fields["timeline_dir"] = str(log_dir / "timeline")
             afd = stack.enter_context(AFDDeployment(
                 model, python=sys.executable, log_dir=log_dir, env=env, afd_fields=fields,
-                attention_args=serve_args, ffn_args=serve_args, pin_processes=args.pin_processes))
+                attention_args=[*layout.attention_args(), *serve_args], ffn_args=[*layout.ffn_args(), *serve_args],
+                attention_cpus=layout.attention_cpus, ffn_cpus=layout.ffn_cpus, pin_processes=args.pin_processes,
+                startup_timeout_s=STARTUP_TIMEOUT_S))
             targets.append(Target(f"AFD {k} stage{'s' if k > 1 else ''}", afd.attention.base_url,
                                   {"attention": afd.attention.pgid, "ffn": afd.ffn.pgid}, num_stages=k,
                                   timeline=log_dir / "timeline" if "timeline_dir" in fields else None))
@@ -461,23 +673,28 @@ def main(argv: list[str] | None = None) -> int:
         load_before = os.getloadavg()[0]
         run_rounds(targets, batch_sizes, args.decode_tokens, args.repeats, args.settle_s, args.warmup_rounds)
 
-    pinned = ", every process of a role pinned to its core" if args.pin_processes else ""
+    pinned = (f", every process pinned (attention core 1, FFN core 0, {targets[0].label} "
+              f"{'core 0' if layout.plain_ranks == 1 else 'cores 0-1'})" if args.pin_processes else "")
     pinned += f", min_tokens_per_stage {args.min_tokens_per_stage or DEFAULT_MIN_TOKENS_PER_STAGE}"
+    pinned += f", dtype {dtype}" if dtype else ""
+    pinned += (f", {layout.ranks} ranks on {cores} cores: oversubscribed" if oversubscribed else "")
     others = [c[OTHER_JOBS] for t in targets for b in batch_sizes for c in t.cpu[b]] or [float("nan")]
-    title = (f"Decode throughput, {args.arch}, {args.prompt_tokens}-token prompts of their own, prefix caching off, "
+    title = (f"Decode throughput, AFD {layout.name} vs {targets[0].label}, {args.arch}, {args.prompt_tokens}-token "
+             f"prompts of their own, prefix caching off, "
              f"{args.decode_tokens} decode tokens, {args.repeats} interleaved rounds after {args.warmup_rounds} "
              f"warm-up{pinned} ({started:%Y-%m-%d %H:%M}–{datetime.datetime.now(datetime.timezone.utc):%H:%M} UTC, "
              f"load {load_before:.2f} at the first round, {os.getloadavg()[0]:.2f} at the end; other jobs "
              f"{min(others):.2f}–{max(others):.2f} cores, median {median(others):.2f}, per sample)")
     lines = report(targets, batch_sizes, title, args.min_tokens_per_stage or DEFAULT_MIN_TOKENS_PER_STAGE,
-                   args.max_other_cores)
+                   args.max_other_cores, planned, planned_note)
     print("\n".join(lines))
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "bench-afd-cpu.md").write_text("\n".join(lines) + "\n")
         if num_stages == [1]:
             write_plot([(b, median(targets[0].tok_s[b]), median(targets[-1].tok_s[b])) for b in batch_sizes],
-                       args.out / "bench-afd-cpu.png")
+                       args.out / "bench-afd-cpu.png", f"{targets[0].label}",
+                       f"AFD {layout.name} gloo ({min(layout.ranks, cores)} cores)")
     return 0
 
 

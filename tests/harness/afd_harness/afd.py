@@ -21,6 +21,11 @@ from afd_harness.server import VllmServer, cpu_server_env, free_ports
 DEFAULT_CONNECTOR = "P2pGlooAFDConnector"
 
 
+def pinned_cpus(omp_cpus: str) -> str:
+    """The `taskset -c` list of a role's processes: every core its ranks' OpenMP binds name ("1|1" -> "1")."""
+    return ",".join(dict.fromkeys(omp_cpus.split("|")))
+
+
 def afd_args(role: str, port: int, **afd_fields: Any) -> list[str]:
     """`--additional-config` for one role; `afd_fields` add or override AFD keys."""
     afd = {"role": role, "connector": DEFAULT_CONNECTOR, "port": port, **afd_fields}
@@ -56,8 +61,9 @@ class AFDDeployment:
         common = dict(python=python, launcher="cli", startup_timeout_s=startup_timeout_s)
         # NOTE: VLLM_CPU_OMP_THREADS_BIND binds only the worker's OpenMP threads; the API server and the engine
         # core (whose shm queue spins with sched_yield while a step runs) float over both cores unless pinned.
-        ffn_prefix = ("taskset", "-c", ffn_cpus) if pin_processes else ()
-        attention_prefix = ("taskset", "-c", attention_cpus) if pin_processes else ()
+        # With several ranks per role ("1|1": one OpenMP bind per DP rank) every process goes on their cores' union.
+        ffn_prefix = ("taskset", "-c", pinned_cpus(ffn_cpus)) if pin_processes else ()
+        attention_prefix = ("taskset", "-c", pinned_cpus(attention_cpus)) if pin_processes else ()
         self.ffn = VllmServer(
             ffn_model or model, **common, port=ffn_http_port, log_path=Path(log_dir) / "ffn.log",
             command_prefix=ffn_prefix,
