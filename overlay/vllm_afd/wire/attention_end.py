@@ -7,8 +7,9 @@ FFN checks them again). Per (layer, stage) it issues its rows with ``send_a2f`` 
 router logits with the gate on attention, then their seal in integrity mode, wire/integrity.py)
 without blocking, and ``recv_f2a`` waits that stage's send, then receives the FFN output into the
 tensor just sent (over a bounded transport, gloo: posted at this rank's ``max_rows`` rows into a buffer per
-stage, whose published rows are then copied over; docs/protocol.md#bounds). An exchange that fails inside a
-step is deferred to the step gate (``defer_failure`` / ``take_step_failure``, attention/step_gate.py);
+stage, whose published rows are then copied over; docs/protocol.md#bounds; where the transport pre-posts, gloo
+on CPU, ``send_a2f`` posts that receive before its send, docs/protocol.md#receive-order). An exchange that fails
+inside a step is deferred to the step gate (``defer_failure`` / ``take_step_failure``, attention/step_gate.py);
 ``mark_startup_done`` arms the step timeouts once profile, warm-up and capture are over.
 """
 
@@ -20,12 +21,12 @@ from typing import Any
 import torch
 
 from vllm_afd.wire.connector import AFDConnector
-from vllm_afd.wire.errors import AFDPeerLostError
+from vllm_afd.wire.errors import AFDPeerLostError, AFDPeerProtocolError
 from vllm_afd.wire.messages import ControlPayload, control_header
 from vllm_afd.wire.placement import A2F, CONTROL, F2A
 from vllm_afd.wire.store import call_within, store_frozen_error, store_lost_error
 from vllm_afd.wire.timeline import A2F_SEND_END, A2F_SEND_START, F2A_RECV_END
-from vllm_afd.wire.transport import SendHandle
+from vllm_afd.wire.transport import RecvHandle, SendHandle
 from vllm_afd.wire.watchdog import STARTUP_DONE_KEY
 
 __all__ = ["AttentionConnector"]
@@ -47,6 +48,8 @@ class AttentionConnector(AFDConnector):
         self._pending_a2f: dict[int, list[SendHandle]] = {}
         # Bounded receives: per stage a [max_rows, hidden] buffer each f2a receive is posted into.
         self._bounded: dict[int, torch.Tensor] = {}
+        # prepost_receives: per stage the f2a receive (data, then seals) send_a2f posted, waited by recv_f2a.
+        self._posted_f2a: dict[int, tuple[RecvHandle, list[RecvHandle]]] = {}
 
     def _announce(self, store: Any) -> None:
         if self._startup_flagged:  # a re-formation: steps were timed before it, keep timing them
@@ -97,6 +100,14 @@ class AttentionConnector(AFDConnector):
     def publish(self, counts_dp: Mapping[int, Sequence[int]], **flags: bool) -> ControlPayload:
         """Open the step with each stage's tokens per attention DP rank; ranks < F transmit it."""
         self._require_ready("publish")
+        if self._posted_f2a:
+            # NOTE: a send_a2f whose recv_f2a never came (a step cut short): its receive, posted ahead, cannot be
+            # withdrawn, so the FFN's next answer would land in it, sized by the old step.
+            raise self.fail(AFDPeerLostError(
+                f"{self.spec.name}: publish on {self.placement.label} with the f2a receives of stages "
+                f"{sorted(self._posted_f2a)} still posted: the previous step sent them without receiving the "
+                "answers. Expected each send_a2f of a step to meet its recv_f2a (docs/protocol.md#receive-order); "
+                "the pairing is dropped and re-formed"))
         payload = self.steps.new_payload(counts_dp, **flags)
         self._check_rows(payload)
         self._adopt(payload)
@@ -149,6 +160,10 @@ class AttentionConnector(AFDConnector):
                 )
         label = "a2f send to ffn rank"
         self._wait_sends(self._pending_a2f.pop(stage, []), label, p.subgroup)  # a stage sent twice: misuse, but safe
+        if self.transport.bounded_receives and self.transport.preposts(s.device) and stage not in self._posted_f2a:
+            # NOTE: the answer's receive is posted before the send that asks for it, so the FFN's f2a send leaves from
+            # its own thread (docs/protocol.md#receive-order); it lands in the stage's buffer, not in `hidden`.
+            self._posted_f2a[stage] = self._post_f2a(stage, own_rows)
         # NOTE: sends go out in E order (docs/pingpong.md#5-ordering-why-the-receives-cannot-deadlock), so the
         # n-th send of a step is exchange n; with stages it precedes the previous stage's receive, which is what
         # num_exchanges counts.
@@ -185,8 +200,9 @@ class AttentionConnector(AFDConnector):
         if self.transport.bounded_receives:
             # NOTE: the FFN's output lands in `out` (the op's contract), which has no room for a longer message:
             # received into this stage's buffer of max_rows rows, its published rows copied over (one memcpy).
-            head = self._call(label, peer, self.transport.recv_rows, F2A, self._bounded_buffer(stage), own_rows, 0)
-            self._check_seal(F2A, 0, (head,), stage, label, peer)
+            posted = self._posted_f2a.pop(stage, None) or self._post_f2a(stage, own_rows)
+            head = self._call(label, peer, posted[0].wait)
+            self._check_posted_seal(posted[1], head, stage, label, peer)
             target.copy_(head)
         else:
             self._call(label, peer, self.transport.recv, F2A, target, 0)
@@ -194,6 +210,26 @@ class AttentionConnector(AFDConnector):
         self._mark(F2A_RECV_END)
         self._count_exchange()
         return target
+
+    def _post_f2a(self, stage: int, own_rows: int) -> tuple[RecvHandle, list[RecvHandle]]:
+        """Issue one stage's f2a receive: the data into the stage's buffer, then the seals (the FFN's order)."""
+        label, peer = "f2a receive from ffn rank", self.placement.subgroup
+        data = self._call(label, peer, self.transport.post_rows, F2A, self._bounded_buffer(stage), own_rows, 0,
+                          timed=False)
+        return data, [self._call(label, peer, self.transport.post, F2A, blank, 0, timed=False)
+                      for blank in self.integrity.blanks()]
+
+    def _check_posted_seal(self, seals: list[RecvHandle], head: torch.Tensor, stage: int, label: str,
+                           peer: int) -> None:
+        """Integrity mode: wait the seal posted after ``head`` and check it (as ``_check_seal``). Off: nothing."""
+        if not seals:
+            return
+        received = [self._call(label, peer, handle.wait) for handle in seals]
+        exchange = self.integrity.next_position(f"recv {F2A} {peer}")
+        try:
+            self.integrity.check(received, self.steps.payload.step_seq, exchange, stage, (head,), f"{label} {peer}")
+        except AFDPeerProtocolError as exc:
+            raise self._latch.fail(exc, observed=True) from None
 
     def _bounded_buffer(self, stage: int) -> torch.Tensor:
         """Stage ``stage``'s buffer of bounded receives: the handshake's max_rows rows, made once per pairing."""

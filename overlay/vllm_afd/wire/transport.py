@@ -19,7 +19,7 @@ import torch
 
 from vllm_afd.wire.placement import Placement
 
-__all__ = ["DONE", "SendHandle", "Transport"]
+__all__ = ["DONE", "Deferred", "RecvHandle", "SendHandle", "Transport"]
 
 
 class SendHandle(Protocol):
@@ -39,6 +39,22 @@ class _Done:
 DONE: SendHandle = _Done()
 
 
+class RecvHandle(Protocol):
+    """A posted receive; ``wait()`` returns the received tensor (raises what the receive raised)."""
+
+    def wait(self) -> torch.Tensor: ...
+
+
+class Deferred:
+    """A receive that runs when waited: what ``post``/``post_rows`` return on a transport that does not pre-post."""
+
+    def __init__(self, receive: Any, *args: Any) -> None:
+        self._receive, self._args = receive, args
+
+    def wait(self) -> torch.Tensor:
+        return self._receive(*self._args)
+
+
 class Transport(ABC):
     """Moves whole contiguous tensors on the three channels; ranks are group ranks.
 
@@ -51,7 +67,10 @@ class Transport(ABC):
          message's agreed maximum; with ``bounded_receives`` it posts the whole buffer (see there).
          ``isend`` issues a data send without waiting for the peer and returns its ``SendHandle``;
          the caller keeps the tensor unchanged until ``wait()`` returned. Sends and receives of one
-         (channel, peer) pair are matched in issue order.
+         (channel, peer) pair are matched in issue order. ``post``/``post_rows`` issue a data receive
+         and return its ``RecvHandle``; where ``preposts(device)`` it is posted at once (the caller keeps
+         the tensor for it until ``wait()`` returned or ``close`` returned), otherwise it runs when waited,
+         and the ends post nothing ahead.
       3. ``abort`` may run on any thread and makes pending transfers fail where the backend allows;
          ``close`` releases everything, is idempotent and bounded.
     """
@@ -69,6 +88,10 @@ class Transport(ABC):
     # (max_rows rows, docs/protocol.md#bounds), reused; otherwise buffers of exactly the published rows.
     # NOTE: for backends that end the process on a message longer than the posted receive (gloo).
     bounded_receives: bool = False
+    # Whether ``post``/``post_rows`` post the receive at once, so the ends post a data message's receive one exchange
+    # ahead of its wait (docs/protocol.md#receive-order). For rendezvous transports whose sender writes a message
+    # whose receive is not posted yet from another thread (gloo's loop thread), late by a context switch.
+    prepost_receives: bool = False
 
     @abstractmethod
     def open(self, store: Any, placement: Placement, timeout_s: float) -> None:
@@ -93,6 +116,24 @@ class Transport(ABC):
         head = buffer[:rows]
         self.recv(channel, head, src)
         return head
+
+    def post(self, channel: str, tensor: torch.Tensor, src: int) -> RecvHandle:
+        """Issue a receive into ``tensor`` from group rank ``src``; its handle's ``wait()`` returns ``tensor`` once
+        filled. This default receives when waited."""
+        return Deferred(self._recv_into, channel, tensor, src)
+
+    def post_rows(self, channel: str, buffer: torch.Tensor, rows: int, src: int) -> RecvHandle:
+        """Issue ``recv_rows``; its handle's ``wait()`` returns ``buffer[:rows]``. This default receives when waited."""
+        return Deferred(self.recv_rows, channel, buffer, rows, src)
+
+    def preposts(self, device: torch.device) -> bool:
+        """Whether ``post``/``post_rows`` post a receive into a tensor on ``device`` at once (the ends then post the
+        next exchange's receives ahead, docs/protocol.md#receive-order); this default: ``prepost_receives``."""
+        return self.prepost_receives
+
+    def _recv_into(self, channel: str, tensor: torch.Tensor, src: int) -> torch.Tensor:
+        self.recv(channel, tensor, src)
+        return tensor
 
     @abstractmethod
     def abort(self) -> None:

@@ -23,6 +23,13 @@ bytes asked for are copied out: a lying control peer is read and refused by the 
 attention's ``max_rows`` rows, docs/protocol.md#bounds), whose first published rows are the message; more rows
 than published are read and ignored. Only a message longer than that maximum (or a control message over
 ``CONTROL_CAPACITY``, or a seal over its 64 bytes) still ends the process.
+
+A message sent before its receive is posted waits for the receiver's notice, then leaves from the sender's gloo
+loop thread: one more trip and a wake-up on the sender's core, which may be computing (on a busy core,
+milliseconds). So ``post``/``post_rows`` (``prepost_receives``) post a CPU data receive at once, and the ends post
+each exchange's receives before the peer sends
+(docs/protocol.md#receive-order); ``abort()`` and ``close()`` drop a receive posted and never waited, after its
+groups, so that the pairs close.
 """
 
 from __future__ import annotations
@@ -33,9 +40,9 @@ from typing import Any
 import torch
 
 from vllm_afd.wire.placement import CONTROL, Placement
-from vllm_afd.wire.transport import SendHandle, Transport
+from vllm_afd.wire.transport import RecvHandle, SendHandle, Transport
 
-__all__ = ["CONTROL_CAPACITY", "GlooSend", "GlooTransport"]
+__all__ = ["CONTROL_CAPACITY", "GlooRecv", "GlooSend", "GlooTransport"]
 
 # Every control receive is posted this large: the control frame's largest body (messages.MAX_CONTROL_BYTES).
 CONTROL_CAPACITY = 1 << 20
@@ -100,9 +107,40 @@ class GlooSend:
         try:
             work.wait(_op_timeout(self._timeout_s))
         finally:
+            work = None  # NOTE: as GlooRecv.wait: a failed wait's traceback must not keep the Work (and the store)
             if self._release is not None:
                 self._release(self._data)  # a staging buffer goes back to its free list
             self._data = None
+
+
+class GlooRecv:
+    """A posted gloo receive of a CPU tensor: its ``Work`` and what ``wait()`` returns once it is filled."""
+
+    def __init__(self, transport: GlooTransport, work: Any, result: torch.Tensor) -> None:
+        self._transport, self._work, self._result = transport, work, result
+        self._dropped = False
+
+    def wait(self) -> torch.Tensor:
+        work, self._work = self._work, None
+        if work is None:
+            if self._dropped:
+                raise RuntimeError("P2pGlooAFDConnector: a receive posted ahead was dropped by the transport's abort() "
+                                   "or close() before it was waited; its pairing is gone")
+            return self._result
+        try:
+            # NOTE: the bound in force when waited (the step's), not when posted.
+            work.wait(_op_timeout(self._transport.transfer_timeout_s))
+        finally:
+            # NOTE: a failed wait's traceback keeps this frame, and a live Work keeps its gloo context, with its pairs
+            # and the store, until the traceback goes: a re-forming FFN rank 0 could not host the store again.
+            work = None
+            self._transport._posted.discard(self)  # noqa: SLF001
+        return self._result
+
+    def drop(self) -> None:
+        """Let go of the ``Work`` (a later ``wait()`` raises): while one lives, its group's pairs and store do."""
+        self._dropped = True
+        self._work = None
 
 
 class GlooTransport(Transport):
@@ -114,9 +152,14 @@ class GlooTransport(Transport):
 
     # recv_rows posts the whole buffer: a data message longer than published is read, not a native abort.
     bounded_receives = True
+    # post/post_rows post a CPU receive at once (a CUDA one runs when waited: its host staging is shared): a
+    # message whose receive is posted leaves from the sender's own thread. Instances may turn it off (benches).
+    prepost_receives = True
 
     def __init__(self, device: torch.device, channels: tuple[str, ...] | None = None) -> None:
         self.device = device
+        # Receives posted and not waited yet; abort() and close() drop them, after the groups.
+        self._posted: set[GlooRecv] = set()
         # The channels to open (None: all of placement.channels()); the IPC transport keeps only ctrl here.
         self.channels = channels
         self._groups: dict[str, Any] = {}
@@ -205,6 +248,27 @@ class GlooTransport(Transport):
         self._record_copy("recv", staging)
         return head
 
+    def preposts(self, device: torch.device) -> bool:
+        """CPU only: a CUDA receive goes through host staging shared by its size, so it runs when waited."""
+        return self.prepost_receives and device.type == "cpu"
+
+    def post(self, channel: str, tensor: torch.Tensor, src: int) -> RecvHandle:
+        if not self.preposts(tensor.device) or not tensor.is_contiguous() or channel == CONTROL:
+            return super().post(channel, tensor, src)
+        return self._post(channel, tensor, tensor, src)
+
+    def post_rows(self, channel: str, buffer: torch.Tensor, rows: int, src: int) -> RecvHandle:
+        """``recv_rows`` posted now: the whole of a CPU ``buffer``, whose head ``buffer[:rows]`` the handle returns."""
+        if not self.preposts(buffer.device):
+            return super().post_rows(channel, buffer, rows, src)
+        assert buffer.is_contiguous() and 0 <= rows <= buffer.shape[0], "recv_rows takes a contiguous buffer of >= rows"
+        return self._post(channel, buffer, buffer[:rows], src)
+
+    def _post(self, channel: str, posted: torch.Tensor, result: torch.Tensor, src: int) -> GlooRecv:
+        handle = GlooRecv(self, self._group(channel).recv([_bytes(posted)], src, 0), result)
+        self._posted.add(handle)
+        return handle
+
     def _recv_control(self, tensor: torch.Tensor, src: int) -> None:
         """A control receive posted at ``CONTROL_CAPACITY``: a longer or shorter message than ``tensor`` is read,
         never a native abort; ``tensor`` gets its first bytes, zeros where the message was shorter."""
@@ -222,6 +286,7 @@ class GlooTransport(Transport):
         groups, self._groups = self._groups, {}
         for group in groups.values():
             group.abort()
+        self._drop_posted()
 
     def close(self) -> None:
         # NOTE: dropping the groups closes their TCP pairs, so peers blocked on us fail at once, and
@@ -230,6 +295,15 @@ class GlooTransport(Transport):
         groups, self._groups = self._groups, {}
         for group in groups.values():
             group.shutdown()
+        self._drop_posted()
+
+    def _drop_posted(self) -> None:
+        """Let go of the receives posted and never waited (a step cut short), after their groups: while one holds its
+        ``Work``, the group's pairs stay open and the peer would not see this end go (docs/protocol.md#receive-order).
+        A message arriving for a dropped receive is not read (gloo holds a weak reference to its buffer)."""
+        posted, self._posted = self._posted, set()
+        for handle in posted:
+            handle.drop()
 
     def _group(self, channel: str) -> Any:
         try:
