@@ -89,6 +89,10 @@ class CPUStageBaton:
 
         def stage_main(stage: int) -> None:
             self._local.stage = stage
+            # NOTE: on CPUs with AMX tiles vLLM's CPU attention runs its AMX kernel, and its first call on a stage
+            # thread died of SIGILL unless the thread had asked Linux for the tile state (docs/failures.md#24-amx-
+            # on-stage-threads); a no-op returning False where there is no AMX.
+            torch.cpu._init_amx()  # noqa: SLF001
             try:
                 self._wait_turn(stage)
                 results[stage] = bodies[stage]()
