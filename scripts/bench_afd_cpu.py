@@ -53,7 +53,6 @@ import json
 import math
 import os
 import re
-import statistics
 import sys
 import tempfile
 import time
@@ -63,6 +62,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import stage_model
+from paired_rounds import PairedRatio, Prompts, median, pair_rounds, relative_gap, round_loads
 from afd_planner.cost import CostModel
 from afd_planner.links import LINKS, parse_link
 from afd_planner.profile import load_profile
@@ -121,30 +121,6 @@ def busy_cpu_seconds() -> float:
 
 # Prompt length in token ids when `--prompt-tokens` is not given (the length of the short sentence used before).
 DEFAULT_PROMPT_TOKENS = 12
-# Token ids a prompt draws from: above the tiny tokenizers' special tokens, below their 512-entry vocabularies.
-FIRST_ID, NUM_IDS = 16, 480
-
-
-class Prompts:
-    """Token-id prompts of `length` ids, a different one for every request of the run (no prefix cache hit)."""
-
-    def __init__(self, length: int) -> None:
-        self.length = length
-        self.issued = 0
-
-    def batch(self, batch: int) -> list[list[int]]:
-        first, self.issued = self.issued, self.issued + batch
-        return [unique_prompt(r, self.length) for r in range(first, first + batch)]
-
-
-def unique_prompt(index: int, length: int) -> list[int]:
-    """Prompt number `index`: its first two ids spell `index` in base NUM_IDS, so no two of the first
-    NUM_IDS² share their first block; the rest vary with `index` too."""
-    head = [FIRST_ID + index // NUM_IDS % NUM_IDS, FIRST_ID + index % NUM_IDS]
-    tail = [FIRST_ID + (7 * i + 31 * index) % NUM_IDS for i in range(max(0, length - 2))]
-    return (head + tail)[:length]
-
-
 PROMPTS = Prompts(DEFAULT_PROMPT_TOKENS)
 
 
@@ -328,68 +304,7 @@ def predicted_ratios(model: CostModel, layout: Layout, batch_sizes: Sequence[int
     return ratios
 
 
-# ---- per-round ratios (pure) ----------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class PairedRatio:
-    """One ratio cell: the per-round ratios of two targets' samples of one batch, in round order, without the
-    rounds whose samples saw other jobs above the bound (`dropped` of them; `all_ratios` keeps every round)."""
-
-    ratios: tuple[float, ...]
-    dropped: int
-    all_ratios: tuple[float, ...]
-
-    @property
-    def median(self) -> float:
-        return median(list(self.ratios))
-
-    @property
-    def low(self) -> float:
-        return min(self.ratios, default=float("nan"))
-
-    @property
-    def high(self) -> float:
-        return max(self.ratios, default=float("nan"))
-
-    @property
-    def halves(self) -> tuple[float, float]:
-        return half_split(self.ratios)
-
-
-def pair_rounds(numerator: Sequence[float], denominator: Sequence[float], loads: Sequence[float],
-                max_load: float) -> PairedRatio:
-    """Ratios numerator[i] / denominator[i] of the samples of round i, kept where loads[i] <= max_load.
-
-    `loads[i]`: other jobs' CPU (cores) during round i's two samples, the larger of the two.
-    """
-    if not len(numerator) == len(denominator) == len(loads):
-        raise ValueError(f"bench_afd_cpu: {len(numerator)} and {len(denominator)} samples with {len(loads)} loads; "
-                         "expected one sample of each target and one load per round")
-    every = tuple(n / d for n, d in zip(numerator, denominator))
-    kept = tuple(r for r, load in zip(every, loads) if load <= max_load)
-    return PairedRatio(kept, len(every) - len(kept), every)
-
-
-def round_loads(*per_target: Sequence[float]) -> list[float]:
-    """Per round, the largest other-jobs share any of the targets' samples of that round saw."""
-    return [max(loads) for loads in zip(*per_target, strict=True)]
-
-
-def half_split(values: Sequence[float]) -> tuple[float, float]:
-    """Medians of the first and the second half of `values` (in time order; an odd middle one goes to neither);
-    nan, nan below two values. Their difference is what a second run of half the length could show."""
-    half = len(values) // 2
-    if half == 0:
-        return float("nan"), float("nan")
-    return median(list(values[:half])), median(list(values[-half:]))
-
-
-def relative_gap(first: float, second: float) -> float:
-    """|first / second - 1|, the difference of two readings of one ratio as a share (nan if undefined)."""
-    if not (second > 0 and first == first):
-        return float("nan")
-    return abs(first / second - 1.0)
+# ---- the report (per-round ratios: paired_rounds.py) ----------------------------------------------
 
 
 def timeline_costs(target: Target, batch: int) -> stage_model.ExchangeCosts | None:
@@ -408,10 +323,6 @@ def step_ms(target: Target, batch: int) -> float:
     by_seq = {r.step_seq: r for r in records if r.rows == batch
               and any(lo <= r.opened_ns <= hi for lo, hi in target.windows[batch])}
     return median([(by_seq[s + 1].opened_ns - r.opened_ns) / 1e6 for s, r in by_seq.items() if s + 1 in by_seq])
-
-
-def median(values: list[float]) -> float:
-    return statistics.median(values) if values else float("nan")
 
 
 def cpu_shares(target: Target, batch: int) -> str:
