@@ -434,7 +434,9 @@ def test_channel_creation_that_waits_on_the_store_ends_at_a_lost_peer_or_the_dea
     assert raised, "init() still waits in channel creation"
     ended_at, error = raised[0]
     if ending == "peer lost meanwhile":
-        assert error is lost and ended_at - failed_at < 2.0
+        # NOTE: the poll ends it within a poll interval; 10 s leaves room for a loaded 2-core machine and still
+        # tells "ended at the failure" from "ended at the 60 s deadline".
+        assert error is lost and ended_at - failed_at < 10.0
     else:
         assert isinstance(error, AFDRendezvousTimeout)
         assert "creating the data and control channels" in str(error)
