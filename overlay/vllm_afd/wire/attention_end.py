@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from vllm_afd.wire.connector import AFDConnector
-from vllm_afd.wire.errors import AFDPeerLostError, AFDPeerProtocolError
+from vllm_afd.wire.errors import AFDPeerLostError
 from vllm_afd.wire.messages import ControlPayload, control_header
 from vllm_afd.wire.placement import A2F, CONTROL, F2A
 from vllm_afd.wire.store import call_within, store_frozen_error, store_lost_error
@@ -202,7 +202,7 @@ class AttentionConnector(AFDConnector):
             # received into this stage's buffer of max_rows rows, its published rows copied over (one memcpy).
             posted = self._posted_f2a.pop(stage, None) or self._post_f2a(stage, own_rows)
             head = self._call(label, peer, posted[0].wait)
-            self._check_posted_seal(posted[1], head, stage, label, peer)
+            self._check_posted_seal(F2A, posted[1], (head,), stage, label, peer)
             target.copy_(head)
         else:
             self._call(label, peer, self.transport.recv, F2A, target, 0)
@@ -218,18 +218,6 @@ class AttentionConnector(AFDConnector):
                           timed=False)
         return data, [self._call(label, peer, self.transport.post, F2A, blank, 0, timed=False)
                       for blank in self.integrity.blanks()]
-
-    def _check_posted_seal(self, seals: list[RecvHandle], head: torch.Tensor, stage: int, label: str,
-                           peer: int) -> None:
-        """Integrity mode: wait the seal posted after ``head`` and check it (as ``_check_seal``). Off: nothing."""
-        if not seals:
-            return
-        received = [self._call(label, peer, handle.wait) for handle in seals]
-        exchange = self.integrity.next_position(f"recv {F2A} {peer}")
-        try:
-            self.integrity.check(received, self.steps.payload.step_seq, exchange, stage, (head,), f"{label} {peer}")
-        except AFDPeerProtocolError as exc:
-            raise self._latch.fail(exc, observed=True) from None
 
     def _bounded_buffer(self, stage: int) -> torch.Tensor:
         """Stage ``stage``'s buffer of bounded receives: the handshake's max_rows rows, made once per pairing."""

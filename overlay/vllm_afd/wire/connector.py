@@ -331,6 +331,19 @@ class AFDConnector:
             return
         for seal in received:
             self._call(label, peer, self.transport.recv, channel, seal, src)
+        self._verify_seal(received, channel, tensors, stage, label, peer)
+
+    def _check_posted_seal(self, channel: str, seals: list[Any], tensors: tuple[Any, ...], stage: int, label: str,
+                           peer: int) -> None:
+        """Integrity mode: wait the seal receives posted after ``tensors`` and check them (as ``_check_seal``).
+        Off: nothing (no seal was posted)."""
+        if seals:
+            self._verify_seal([self._call(label, peer, handle.wait) for handle in seals], channel, tensors, stage,
+                              label, peer)
+
+    def _verify_seal(self, received: list[Any], channel: str, tensors: tuple[Any, ...], stage: int, label: str,
+                     peer: int) -> None:
+        """Check received seals against ``tensors``; a bad one is the sticky failure (a lost peer)."""
         exchange = self.integrity.next_position(f"recv {channel} {peer}")
         try:
             self.integrity.check(received, self.steps.payload.step_seq, exchange, stage, tensors, f"{label} {peer}")

@@ -209,18 +209,6 @@ class FFNConnector(AFDConnector):
             offset += num_rows
         return _PostedA2F(stage, routing, peer_rows, peers, lanes, joined, max_rows, slots)
 
-    def _check_posted_seal(self, channel: str, seals: list[RecvHandle], tensors: tuple[torch.Tensor, ...], stage: int,
-                           label: str, peer: int) -> None:
-        """Integrity mode: wait the seal posted after ``tensors`` and check it (as ``_check_seal``). Off: nothing."""
-        if not seals:
-            return
-        received = [self._call(label, peer, handle.wait) for handle in seals]
-        exchange = self.integrity.next_position(f"recv {channel} {peer}")
-        try:
-            self.integrity.check(received, self.steps.payload.step_seq, exchange, stage, tensors, f"{label} {peer}")
-        except AFDPeerProtocolError as exc:
-            raise self._latch.fail(exc, observed=True) from None
-
     def send_f2a(self, stage: int, output: torch.Tensor) -> None:
         """Send each attention peer its rows of ``output`` (``[sum(peer_rows), hidden]``)."""
         self._require_ready("send_f2a")
