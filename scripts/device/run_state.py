@@ -34,6 +34,16 @@ HARNESS = REPO / "tests" / "harness"
 # Seconds kept free at the end of a device command: stopping servers and packing the logs.
 COMMAND_RESERVE_S = 45.0
 
+# Folders inside the staged site that a site directory's .pth file would add to sys.path, but
+# PYTHONPATH entries never read .pth files: CuTe DSL (`nvidia-cutlass-dsl`, vLLM 0.34.0's kernel
+# warm-up imports `cutlass`) keeps its packages here and adds them by `nvidia_cutlass_dsl_packages.pth`.
+PTH_ONLY_DIRS = ("nvidia_cutlass_dsl/dsl_packages",)
+
+
+def staged_site_entries(site: Path) -> list[str]:
+    """The staged site and those of its .pth-only folders it holds, in PYTHONPATH order."""
+    return [str(site), *(str(site / rel) for rel in PTH_ONLY_DIRS if (site / rel).is_dir())]
+
 
 class Run:
     """State of one invocation: paths, deadline, environment and the summary being written."""
@@ -74,7 +84,7 @@ class Run:
         """
         env = dict(os.environ)
         env["PYTHONPATH"] = install_overlay.join_pythonpath(
-            [str(self.vllm_site)] if vllm else [], self.overlay_entries if overlay else [], extra or [],
+            staged_site_entries(self.vllm_site) if vllm else [], self.overlay_entries if overlay else [], extra or [],
             os.environ.get("PYTHONPATH"))
         env.update(PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1",
                    DO_NOT_TRACK="1", VLLM_ENGINE_READY_TIMEOUT_S=str(int(self.args.startup_timeout_s) + 60))

@@ -391,6 +391,25 @@ def test_hook_phase_without_the_script_says_missing(tmp_path):
     assert phases.phase_hooks(run) == {"result_status": "missing", "status": "missing"}
 
 
+def test_subprocesses_find_cute_dsl_packages_that_only_a_pth_file_names(tmp_path):
+    """PYTHONPATH skips .pth files: the staged site's CuTe DSL folder is named on it, once staged."""
+    site = tmp_path / "vs"
+    (site / "vllm").mkdir(parents=True)
+    args = _parse("--work", str(tmp_path / "w"), "--afd-site", str(tmp_path / "site"), "--vllm-site", str(site),
+                  out=str(tmp_path / "out"))
+    assert run_state.Run(args).env()["PYTHONPATH"].split(os.pathsep)[0] == str(site)
+    assert "dsl_packages" not in run_state.Run(args).env()["PYTHONPATH"]
+
+    (site / "nvidia_cutlass_dsl" / "dsl_packages" / "cutlass").mkdir(parents=True)
+    (site / "nvidia_cutlass_dsl" / "dsl_packages" / "cutlass" / "__init__.py").write_text("STAGED = True\n")
+    env = run_state.Run(args).env()
+    assert env["PYTHONPATH"].split(os.pathsep)[:2] == [str(site), str(site / "nvidia_cutlass_dsl" / "dsl_packages")]
+    assert run_state.Run(args).env(vllm=False)["PYTHONPATH"].find(str(site)) == -1
+    done = subprocess.run([sys.executable, "-c", "import cutlass; print(cutlass.STAGED)"], env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert done.stdout.strip() == "True", done.stderr
+
+
 def test_run_keeps_inside_the_device_command_limit(tmp_path):
     """--command-start: a command that began 590 s ago has no time left, so phases are skipped."""
     out = tmp_path / "out"
