@@ -167,12 +167,9 @@ def _init_world(config: Any, device: str) -> None:
     if model_parallel_is_initialized():
         return
     if device == "cpu":
-        import torch
+        from vllm_afd.compute_threads import prepare_compute_thread
 
-        # NOTE: vLLM's CPU attention runs its AMX kernel where the CPU has AMX tiles (bf16, blocks of 32), and Linux
-        # kills a process that touches tile registers without asking for them first (SIGILL): ask, as a no-op
-        # returning False where there is no AMX.
-        torch.cpu._init_amx()  # noqa: SLF001
+        prepare_compute_thread()  # the layers run on this thread: vLLM's AMX kernels need the tile state
     with set_current_vllm_config(config):
         init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo" if device == "cpu" else "nccl",
                                      distributed_init_method=f"tcp://127.0.0.1:{_free_port()}")

@@ -3,6 +3,7 @@ yield, each inside its own forward context, and the caller's context is current 
 
 from __future__ import annotations
 
+import threading
 from types import SimpleNamespace
 
 import pytest
@@ -65,6 +66,24 @@ def test_an_error_in_one_stage_reaches_the_caller_after_every_stage_ended():
     with override_forward_context(SimpleNamespace()), pytest.raises(ValueError, match="stage 0 broke"):
         run_stages(forward, [SimpleNamespace(), SimpleNamespace()], baton)
     assert finished == [1]
+
+
+def test_every_stage_thread_asks_for_the_cpu_kernels_tile_state_before_its_stage(monkeypatch):
+    """docs/failures.md#24-amx-on-stage-threads: vLLM's AMX attention died of SIGILL on a stage thread without it."""
+    import vllm_afd.attention.ubatch as ubatch
+
+    asked: list[str] = []
+    ran: list[str] = []
+    monkeypatch.setattr(ubatch, "prepare_compute_thread", lambda: asked.append(threading.current_thread().name))
+
+    def forward(stage: int) -> int:
+        ran.append(threading.current_thread().name)
+        return stage
+
+    with override_forward_context(SimpleNamespace()):
+        results = run_stages(forward, [SimpleNamespace() for _ in range(3)], CPUStageBaton(3, timeout_s=30.0))
+    assert results == [0, 1, 2]
+    assert sorted(asked) == sorted(ran) == ["afd-stage-0", "afd-stage-1", "afd-stage-2"]
 
 
 def test_yield_outside_a_stage_thread_is_refused():

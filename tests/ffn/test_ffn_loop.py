@@ -72,6 +72,23 @@ def test_loop_runs_one_step_per_payload_on_its_daemon_thread():
     assert loop.error is None
 
 
+def test_the_loop_thread_asks_for_the_cpu_kernels_tile_state_before_its_first_step(monkeypatch):
+    """docs/failures.md#24-amx-on-stage-threads: the FFN's MoE kernel died of SIGILL on this thread without it."""
+    import vllm_afd.ffn.loop as loop_module
+
+    runner = RecordingRunner()
+    asked: list[tuple[str, int]] = []
+    monkeypatch.setattr(loop_module, "prepare_compute_thread",
+                        lambda: asked.append((threading.current_thread().name, len(runner.steps))))
+    loop = FFNLoop(runner, terminate_on_error=False)
+    runner.payloads.put("p0")
+
+    loop.start()
+    loop.stop()
+
+    assert asked == [(THREAD_NAME, 0)] and runner.steps == ["p0"]
+
+
 def test_a_step_error_is_stored_and_reraised_chained_by_stop():
     runner = RecordingRunner(fail_on="bad")
     loop = FFNLoop(runner, terminate_on_error=False)

@@ -23,6 +23,8 @@ from typing import Any, TypeVar
 import torch
 from vllm.forward_context import get_forward_context, override_forward_context
 
+from vllm_afd.compute_threads import prepare_compute_thread
+
 __all__ = ["CPUStageBaton", "run_stages"]
 
 T = TypeVar("T")
@@ -89,10 +91,7 @@ class CPUStageBaton:
 
         def stage_main(stage: int) -> None:
             self._local.stage = stage
-            # NOTE: on CPUs with AMX tiles vLLM's CPU attention runs its AMX kernel, and its first call on a stage
-            # thread died of SIGILL unless the thread had asked Linux for the tile state (docs/failures.md#24-amx-
-            # on-stage-threads); a no-op returning False where there is no AMX.
-            torch.cpu._init_amx()  # noqa: SLF001
+            prepare_compute_thread()
             try:
                 self._wait_turn(stage)
                 results[stage] = bodies[stage]()

@@ -18,6 +18,7 @@ from typing import Any
 
 from vllm.logger import init_logger
 
+from vllm_afd.compute_threads import prepare_compute_thread
 from vllm_afd.ffn.pool import LOCAL_POOL, REFORMABLE, DPPool, LocalPool
 from vllm_afd.wire.failure import terminate_process
 
@@ -51,6 +52,7 @@ class FFNLoop:
         self._thread.start()
 
     def _run(self) -> None:
+        prepare_compute_thread()
         try:
             self.runner.init_connector()
             while not self.stop_event.is_set():
