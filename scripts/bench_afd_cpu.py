@@ -53,6 +53,7 @@ import json
 import math
 import os
 import re
+import signal
 import sys
 import tempfile
 import time
@@ -455,6 +456,10 @@ def write_plot(rows: list[tuple[int, float, float]], path: Path, plain_label: st
     fig.savefig(path, dpi=120)
 
 
+def _exit_on_sigterm(signum: int, _frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", default="qwen3_moe")
@@ -550,6 +555,9 @@ def main(argv: list[str] | None = None) -> int:
             layers=num_layers, mismatch=mismatch)
     logs = Path(tempfile.mkdtemp(prefix="afd-bench-"))
     print(f"logs and timelines: {logs}", flush=True)
+    # A killed bench must not leave its servers (seven at 1A1F with three stage counts, ~19 GiB) running:
+    # SIGTERM unwinds the ExitStack below, which stops them.
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     targets: list[Target] = []
     with contextlib.ExitStack() as stack:
         # Pinned (--pin-processes): plain 1 core on core 0, a plain of several DP ranks on both cores ("0-1").
