@@ -125,6 +125,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_predict(args: argparse.Namespace) -> int:
+    if args.shared_device and (args.attention_ranks, args.ffn_ranks) != (1, 1):
+        raise SystemExit(f"afd_plan: --shared-device models both roles of 1A1F on one device; got "
+                         f"--attention-ranks {args.attention_ranks} --ffn-ranks {args.ffn_ranks}")
     _, model, _, _ = _model(args)
     context = args.context if args.context is not None else 0
     if args.ffn_ranks == 0:
@@ -132,9 +135,10 @@ def cmd_predict(args: argparse.Namespace) -> int:
         tokens = args.batch * args.attention_ranks
         gpus = args.attention_ranks
     else:
-        step = model.afd_ms(args.attention_ranks, args.ffn_ranks, args.stages, args.batch, context)
+        step = model.afd_ms(args.attention_ranks, args.ffn_ranks, args.stages, args.batch, context,
+                            shared_device=args.shared_device)
         tokens = args.batch * args.attention_ranks
-        gpus = args.attention_ranks + args.ffn_ranks
+        gpus = 1 if args.shared_device else args.attention_ranks + args.ffn_ranks
     print(f"step {step:.3f} ms, {tokens / step * 1e3:,.1f} tok/s ({tokens / step * 1e3 / gpus:,.1f} per GPU)")
     if args.ffn_ranks:
         a, f, t = model.afd_layer_costs(args.attention_ranks, args.ffn_ranks, args.batch / args.stages, context)
@@ -233,6 +237,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--ffn-ranks", type=int, required=True, help="F; 0 = colocated DP x EP on A GPUs")
     p.add_argument("--stages", type=int, default=1)
     p.add_argument("--batch", type=int, required=True, help="requests per attention rank")
+    p.add_argument("--shared-device", action="store_true",
+                   help="1A1F with both roles on one device that runs one role's kernels at a time (one GPU, "
+                        "time-sliced or under MPS): compute never overlaps across the roles")
     p.set_defaults(run=cmd_predict)
 
     p = sub.add_parser("profile", help="measure a PROFILE.json through the model's vLLM layers (docs/planner.md)")

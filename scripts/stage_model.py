@@ -159,12 +159,15 @@ def fit_linear(points: Sequence[tuple[float, float]]) -> Linear:
     return Linear(mean_y - slope * mean_n, slope)
 
 
-def simulate_layers(a: float, f: float, t: float, num_layers: int, num_stages: int) -> float:
+def simulate_layers(a: float, f: float, t: float, num_layers: int, num_stages: int, *,
+                    shared_device: bool = False) -> float:
     """Time from the first attention compute to the last FFN output back, for one step of k stages.
 
     Each role is one core working through its exchanges in E order (layer-major, stage-minor); stage j's
     attention of layer l waits for its FFN output of layer l-1, the FFN's (l, j) for its rows; the wire adds
-    t/2 each way and occupies neither role.  One stage: L (a + t + f).
+    t/2 each way and occupies neither role.  One stage: L (a + t + f).  `shared_device`: both roles' compute
+    runs on one device that does one thing at a time (both roles time-sliced on one GPU): a stage's compute
+    overlaps only the other stages' wire, never the other role's compute.
     """
     if num_layers < 1 or num_stages < 1:
         raise ValueError(f"stage_model: need >= 1 layer and stage, got {num_layers} layers, {num_stages} stages")
@@ -175,9 +178,13 @@ def simulate_layers(a: float, f: float, t: float, num_layers: int, num_stages: i
         for stage in range(num_stages):
             attention_free = max(attention_free, back[stage]) + a
             arrive.append(attention_free + t / 2)
+        if shared_device:
+            ffn_free = max(ffn_free, attention_free)  # the device runs the layer's attention first
         for stage in range(num_stages):
             ffn_free = max(ffn_free, arrive[stage]) + f
             back[stage] = ffn_free + t / 2
+        if shared_device:
+            attention_free = ffn_free  # and the next layer's after the FFN
     return max(back)
 
 

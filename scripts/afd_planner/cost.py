@@ -144,8 +144,12 @@ class CostModel:
             f += 2 * self.gather(ffn_ranks, block * rows)
         return self.attention(rows, context), f, self.wire(block * rows)
 
-    def afd_ms(self, attention_ranks: int, ffn_ranks: int, num_stages: int, batch: int, context: int) -> float:
-        """AFD xA:yF: every attention rank decodes `batch` in `num_stages` stages of batch/k rows."""
+    def afd_ms(self, attention_ranks: int, ffn_ranks: int, num_stages: int, batch: int, context: int, *,
+               shared_device: bool = False) -> float:
+        """AFD xA:yF: every attention rank decodes `batch` in `num_stages` stages of batch/k rows.
+
+        `shared_device`: both roles on one device that runs one role's kernels at a time (1A1F on one GPU).
+        """
         a, f, t = self.afd_layer_costs(attention_ranks, ffn_ranks, batch / num_stages, context)
-        layers = simulate_layers(a, f, t, self.shape.num_layers, num_stages)
+        layers = simulate_layers(a, f, t, self.shape.num_layers, num_stages, shared_device=shared_device)
         return layers + self.step_fixed(batch) + self.afd_step_extra_ms

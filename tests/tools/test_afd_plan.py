@@ -227,3 +227,19 @@ def test_predict_prints_one_deployment(tmp_path, capsys):
     afd_plan.main(["predict", write(tmp_path, toy(extra=0.5)), "--attention-ranks", "1", "--ffn-ranks", "1",
                    "--batch", "4"])
     assert capsys.readouterr().out.startswith(f"step {2 * 0.21 + 1.5:.3f} ms")
+
+
+def test_predict_on_one_shared_device_serializes_the_roles_and_counts_one_gpu(tmp_path, capsys):
+    profile = write(tmp_path, toy(extra=0.5))
+    one = ["predict", profile, "--attention-ranks", "1", "--ffn-ranks", "1", "--batch", "4"]
+    afd_plan.main([*one, "--stages", "2"])
+    two_devices = capsys.readouterr().out
+    afd_plan.main([*one, "--stages", "2", "--shared-device"])
+    shared = capsys.readouterr().out
+
+    step = lambda out: float(out.split()[1])  # noqa: E731
+    assert step(shared) > step(two_devices)
+    assert shared.split("(")[1].split()[0] == shared.split("ms, ")[1].split()[0]  # tok/s per GPU == tok/s
+    with pytest.raises(SystemExit, match="--shared-device models both roles of 1A1F"):
+        afd_plan.main(["predict", profile, "--attention-ranks", "2", "--ffn-ranks", "1", "--batch", "4",
+                       "--shared-device"])

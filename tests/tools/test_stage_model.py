@@ -37,6 +37,24 @@ def test_a_balanced_layer_overlaps_two_stages():
     assert stage_model.simulate_layers(1.0, 1.0, 0.0, 4, 2) == pytest.approx(4 * 2 + 1)
 
 
+@given(a=costs, f=costs, t=costs, layers=st.integers(1, 6), k=st.integers(1, 3))
+def test_one_shared_device_runs_every_stages_compute_of_both_roles_in_turn(a, f, t, layers, k):
+    shared = stage_model.simulate_layers(a, f, t, layers, k, shared_device=True)
+
+    assert shared >= layers * k * (a + f) - 1e-9  # no compute of one role overlaps the other's
+    assert shared >= stage_model.simulate_layers(a, f, t, layers, k) - 1e-9  # never faster than two devices
+    assert shared <= layers * k * (a + t + f) + 1e-9
+    if k == 1:
+        assert shared == pytest.approx(layers * (a + t + f))
+
+
+def test_a_shared_device_hides_only_the_wire():
+    # a = 1, f = 2, t = 0.2, 2 layers, 2 stages: the device runs A0 A1 F0 F1 per layer (12 ms of compute); the
+    # wire to the FFN hides behind the second stage's attention, only the last way back shows (0.1).
+    assert stage_model.simulate_layers(1.0, 2.0, 0.2, 2, 2, shared_device=True) == pytest.approx(12.1)
+    assert stage_model.simulate_layers(1.0, 2.0, 0.2, 2, 2) < 12.1
+
+
 def test_a_line_fits_fixed_and_per_token_costs():
     fit = stage_model.fit_linear([(1, 1.5), (8, 5.0), (16, 9.0)])
 
