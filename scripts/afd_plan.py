@@ -4,7 +4,7 @@
     python scripts/afd_plan.py plan PROFILE.json --gpus 8 [--tpot-ms 50] [--context 8192] \
         [--link nvlink|pcie|ib|eth|GB_S,US]
     python scripts/afd_plan.py predict PROFILE.json --attention-ranks 1 --ffn-ranks 1 --stages 2 --batch 8
-    python scripts/afd_plan.py profile MODEL_DIR [--device cpu|cuda] [--load-format dummy] [--layers N] \
+    python scripts/afd_plan.py profile MODEL_DIR [--device cpu|cuda] [--load-format dummy] [--layers N|first-moe] \
         [--batches 1,8,32] [--contexts 16,512] [--tokens 1,8,32] --out PROFILE.json
     python scripts/afd_plan.py profile-from-timeline TIMELINE_DIR MODEL_DIR --context 512 --out PROFILE.json
 
@@ -25,12 +25,13 @@ from pathlib import Path
 
 from afd_planner.cost import CostModel
 from afd_planner.links import LINKS, Link, parse_link
-from afd_planner.measure import LOAD_FORMATS, Grid, measure_profile, read_model_config
+from afd_planner.measure import LOAD_FORMATS, Grid, layers_through_first_moe, measure_profile, read_model_config
 from afd_planner.profile import ProfileError, load_profile
 from afd_planner.search import Candidate, Plan, plan
 
 AFD_MARGIN = 0.05  # AFD must beat the baseline by more than this share: the model's own error is about that
 ONE_NODE_LINKS = ("nvlink", "pcie")
+FIRST_MOE = "first-moe"  # --layers: build up to the first MoE layer
 
 
 def table(result: Plan) -> str:
@@ -169,6 +170,15 @@ def _sizes(text: str, name: str, minimum: int) -> tuple[int, ...]:
     return values
 
 
+def _layers(text: str) -> int | str:
+    if text == FIRST_MOE:
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of layers or {FIRST_MOE}, got {text!r}") from None
+
+
 def check_measure_args(args: argparse.Namespace) -> tuple[Grid, dict]:
     """The grid and the model's config.json, or SystemExit naming the bad argument (nothing built yet)."""
     grid = Grid(batches=_sizes(args.batches, "batches", 1), contexts=_sizes(args.contexts, "contexts", 1),
@@ -179,6 +189,11 @@ def check_measure_args(args: argparse.Namespace) -> tuple[Grid, dict]:
         config = read_model_config(args.model_dir)
     except ValueError as exc:
         raise SystemExit(f"afd_plan: {exc}") from None
+    if args.layers == FIRST_MOE:
+        try:
+            args.layers = layers_through_first_moe(args.model_dir)
+        except ValueError as exc:
+            raise SystemExit(f"afd_plan: {exc}") from None
     if args.layers is not None and not 1 <= args.layers <= config["num_hidden_layers"]:
         raise SystemExit(f"afd_plan: --layers must be 1..{config['num_hidden_layers']} (the model's layers), "
                          f"got {args.layers}")
@@ -249,8 +264,9 @@ def parser() -> argparse.ArgumentParser:
                    help="cpu: one thread, gloo transport; cuda: GPU 0, the IPC transport")
     p.add_argument("--load-format", choices=LOAD_FORMATS, default="auto",
                    help="vLLM's --load-format; dummy: random weights of the real shapes, no checkpoint")
-    p.add_argument("--layers", type=int, help="layers to build (hf override of num_hidden_layers); the profile "
-                                             "keeps the full model's layer count")
+    p.add_argument("--layers", type=_layers, help="layers to build (hf override of num_hidden_layers), or "
+                   f"{FIRST_MOE}: up to the first MoE layer (a real-shape model on one device); the profile keeps "
+                   "the full model's layer count")
     p.add_argument("--batches", default="1,4,8,16,32", help="requests per attention rank (attention, step, transport)")
     p.add_argument("--contexts", default="16,256", help="tokens of context per request (attention)")
     p.add_argument("--tokens", default="1,4,8,16,32", help="rows of one FFN rank (ffn)")

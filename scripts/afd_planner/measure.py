@@ -131,6 +131,19 @@ def read_model_config(model_dir: Path) -> dict[str, Any]:
     return config
 
 
+def layers_through_first_moe(model_dir: Path) -> int:
+    """How many layers to build so that the last one is the model's first MoE layer (the one measured)."""
+    from transformers import AutoConfig
+
+    from vllm_afd.models.split import check_architecture, moe_layer_indices
+
+    hf = AutoConfig.from_pretrained(model_dir)
+    moe = moe_layer_indices(hf, check_architecture((hf.architectures or ["(none)"])[0]))
+    if not moe:
+        raise ValueError(f"profile: {model_dir} holds no MoE layer; AFD splits MoE models only")
+    return moe[0] + 1
+
+
 # ---- building the halves ------------------------------------------------------------------------------
 
 

@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 # Execution order.  "pristine" runs the unpatched tree, so it must precede "patch".
-PHASES = ("models", "pristine", "patch", "gputests", "rtt", "ipcfloor", "tokens", "bench", "hooks", "heal")
+PHASES = ("models", "pristine", "patch", "gputests", "rtt", "ipcfloor", "tokens", "bench", "hooks", "heal", "profile")
 DEFAULT_PHASES = ("patch", "models", "gputests", "rtt", "ipcfloor", "tokens", "bench", "hooks")
 
 # Token checks: a few text prompts in the tiny tokenizer's domain, plus one chat turn.

@@ -18,6 +18,9 @@ does everything in one go, each phase isolated so that one failure keeps the oth
               GPU; greedy tokens compared (serving.py)
     bench     decode tok/s of the same servers, interleaved, batch 1 and 32 (with "tokens": one round)
     hooks     scripts/gpu_hook_check.py on the first model (MRV2 hooks, eager + graphs), its JSON recorded
+    heal      (optional) an FFN killed mid-stream and restarted under the same attention (heal.py)
+    profile   (optional) `afd_plan.py profile --device cuda --load-format dummy --layers first-moe` per model,
+              written to OUT/profiles/<arch>.json (the planner's real-shape profiles)
 
 Outputs under --out ($OUT on the device): summary.json and summary.md, rewritten after every
 phase, and logs.tar.gz holding every server and subprocess log ($OUT returns at most 8
@@ -55,6 +58,10 @@ VARIANTS = ("plain_eager", "plain_graphs", "afd_eager", "afd_ipc_eager", "afd_ip
 # Opt-in servers: AFD over IPC with micro-batch stages (docs/pingpong.md), e.g. --variants
 # plain_eager,plain_graphs,afd_ipc_graphs,afd_ipc_graphs_s2,afd_ipc_graphs_s3
 STAGE_VARIANTS = tuple(phases.serving.STAGE_TWINS)
+# The profile phase's grid: decode batches and contexts of the planner's projections (docs/planner.md#projections),
+# FFN rows up to a pool rank's share of many attention ranks; the projections plan the wire with --link.
+PROFILE_ARGS = ("--batches 1,8,32,64,128 --contexts 4096,8192,32768 --tokens 1,8,32,128,512,1024 "
+                "--warmup 3 --repeats 10 --no-transport")
 CUDA_ONLY = phases.serving.CUDA_ONLY_VARIANTS
 
 
@@ -142,6 +149,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--ipc-floor-timeout-s", type=float, default=180.0, help="the ipcfloor phase's own budget")
     add("--gpu-tests", default=" ".join(GPU_TESTS),
         help="pytest paths of the gputests phase")
+    add("--profile-args", default=PROFILE_ARGS,
+        help="the profile phase's grid, passed to `afd_plan.py profile` (docs/planner.md#the-profile)")
     add("--gloo-bench-args", default="", help="extra args for scripts/bench_gloo_roundtrip.py --device cuda")
     add("--hook-check-args", default="--model-dir {model_dir} --out-dir {hook_out} --timeout-s {timeout_s}",
         help="args for scripts/gpu_hook_check.py; {model_dir} {hook_out} {json_out} {work} {timeout_s} are "
@@ -153,7 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    if {"pristine", "tokens", "bench", "hooks", "heal"} & set(args.phases) and "models" not in args.phases:
+    if {"pristine", "tokens", "bench", "hooks", "heal", "profile"} & set(args.phases) and "models" not in args.phases:
         args.phases = report.parse_phases(",".join(["models", *args.phases]))  # cheap: reuses built models
     if args.platform == "cpu":  # a smoke run of this script: nothing that needs CUDA
         args.variants = [v for v in args.variants if v not in CUDA_ONLY]
@@ -192,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     phase_fns: dict[str, Callable[[Run], dict[str, Any]]] = {
         "models": phases.phase_models, "pristine": phases.phase_pristine, "patch": phases.phase_patch,
         "rtt": phases.phase_rtt, "ipcfloor": phases.phase_ipcfloor, "hooks": phases.phase_hooks,
-        "gputests": phases.phase_gputests, "heal": heal.phase_heal}
+        "gputests": phases.phase_gputests, "heal": heal.phase_heal, "profile": phases.phase_profile}
     code = 0
     try:
         phases.reap_leftovers(run)

@@ -388,6 +388,32 @@ def phase_hooks(run: Run) -> dict[str, Any]:
             "error": None if ok else done["tail"][-1500:]}
 
 
+def phase_profile(run: Run) -> dict[str, Any]:
+    """afd_plan.py profile on the device for each model (dummy weights, up to its first MoE layer): OUT/profiles/."""
+    out_dir = run.out_dir / "profiles"
+    out_dir.mkdir(exist_ok=True)
+    results: dict[str, Any] = {}
+    for arch in [a for a in run.args.models if a in run.models]:
+        if run.time_left() < 30:
+            results[arch] = {"status": "skipped", "error": f"budget: {run.time_left():.0f} s left"}
+            continue
+        out_file = out_dir / f"{arch}.json"
+        device = "cuda" if run.args.platform == "cuda" else "cpu"
+        argv = [sys.executable, str(REPO / "scripts" / "afd_plan.py"), "profile", run.models[arch]["path"],
+                "--device", device, "--load-format", "dummy", "--layers", "first-moe", "--out", str(out_file),
+                *shlex.split(run.args.profile_args)]
+        done = run.run_cmd(argv, env=run.env(), timeout_s=max(30.0, run.time_left() - 15),
+                           log_name=f"profile-{arch}")
+        ok = done["rc"] == 0 and out_file.is_file()
+        results[arch] = {"rc": done["rc"], "status": "ok" if ok else "failed",
+                         "file": f"profiles/{out_file.name}" if ok else None,
+                         "notes": [line for line in done["stdout"].splitlines() if line.startswith("note: ")],
+                         "error": None if ok else done["tail"][-2000:]}
+    failed = sorted(arch for arch, result in results.items() if result["status"] != "ok")
+    status = "ok" if not failed else "failed" if len(failed) == len(results) else "partial"
+    return {"models": results, "status": status, "error": f"no profile for {', '.join(failed)}" if failed else None}
+
+
 def finalize(run: Run) -> None:
     """Cross-phase comparisons: pristine vs patched plain vLLM (tokens and tok/s)."""
     pristine = run.summary["phases"].get("pristine", {})

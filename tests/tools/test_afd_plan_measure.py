@@ -34,9 +34,9 @@ def tiny_qwen3_moe(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def measured(tiny_qwen3_moe, tmp_path_factory) -> tuple[Path, str]:
-    """The command run once, as a user runs it: 2 of the 3 layers built (layer 0 is dense, layer 1 MoE)."""
+    """The command run once, as a user runs it: up to the first MoE layer, 2 of the 3 (layer 0 is dense)."""
     out = tmp_path_factory.mktemp("plan_measure_out") / "profile.json"
-    command = [sys.executable, str(Path(afd_plan.__file__)), "profile", str(tiny_qwen3_moe), "--layers", "2",
+    command = [sys.executable, str(Path(afd_plan.__file__)), "profile", str(tiny_qwen3_moe), "--layers", "first-moe",
                "--batches", ",".join(map(str, BATCHES)), "--contexts", ",".join(map(str, CONTEXTS)),
                "--tokens", ",".join(map(str, TOKENS)), "--warmup", "1", "--repeats", "2", "--out", str(out)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=300)
@@ -98,6 +98,21 @@ def nothing_built(monkeypatch):
 def test_a_bad_grid_or_layer_count_is_refused(nothing_built, tiny_qwen3_moe, tmp_path, extra, message):
     with pytest.raises(SystemExit, match=message):
         afd_plan.main(["profile", str(tiny_qwen3_moe), "--out", str(tmp_path / "p.json"), *extra])
+
+
+@pytest.mark.parametrize(("arch", "layers"), [("qwen3_235b_a22b", 1), ("deepseek_v3", 4), ("deepseek_v2_lite_4l", 2)])
+def test_first_moe_builds_the_dense_layers_and_one_moe_layer(tmp_path, arch, layers):
+    """DeepSeek-V3 keeps its first three layers dense (first_k_dense_replace), V2-Lite one, Qwen3 none."""
+    from afd_harness.tiny_models import build_tiny_model
+
+    assert measure.layers_through_first_moe(build_tiny_model(arch, tmp_path / arch)) == layers
+
+
+def test_layers_is_a_number_or_first_moe(nothing_built, tiny_qwen3_moe, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        afd_plan.main(["profile", str(tiny_qwen3_moe), "--out", str(tmp_path / "p.json"), "--layers", "all"])
+    assert exit_info.value.code == 2
+    assert "expected a number of layers or first-moe, got 'all'" in capsys.readouterr().err
 
 
 def test_a_folder_without_config_json_is_refused(nothing_built, tmp_path):

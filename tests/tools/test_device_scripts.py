@@ -391,6 +391,23 @@ def test_hook_phase_without_the_script_says_missing(tmp_path):
     assert phases.phase_hooks(run) == {"result_status": "missing", "status": "missing"}
 
 
+def test_the_profile_phase_writes_a_profile_per_model_that_comes_back(tmp_path):
+    """On CPU the phase runs the same `afd_plan.py profile` the GPU run does (a tiny grid)."""
+    pytest.importorskip("vllm")
+    out = tmp_path / "out"
+    code = gpu_e2e.main(["--out", str(out), "--phases", "profile", "--platform", "cpu", "--models", "qwen3_moe",
+                         "--work", str(tmp_path / "w"), "--afd-site", str(tmp_path / "site"),
+                         "--vllm-site", str(tmp_path / "vs"), "--budget-s", "280",
+                         "--profile-args",
+                         "--batches 1 --contexts 16 --tokens 1 --warmup 0 --repeats 1 --no-transport"])
+
+    summary = json.loads((out / "summary.json").read_text())
+    record = summary["phases"]["profile"]["models"]["qwen3_moe"]
+    assert code == 0 and record["status"] == "ok", record["error"]
+    assert record["file"] == "profiles/qwen3_moe.json" and len(record["notes"]) == 5
+    assert "2 of 3 layers built; layer 1" in json.loads((out / record["file"]).read_text())["source"]
+
+
 def test_subprocesses_find_cute_dsl_packages_that_only_a_pth_file_names(tmp_path):
     """PYTHONPATH skips .pth files: the staged site's CuTe DSL folder is named on it, once staged."""
     site = tmp_path / "vs"

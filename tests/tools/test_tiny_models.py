@@ -79,6 +79,18 @@ def test_deepseek_has_dense_first_layer_shared_experts_and_one_group(built, arch
     assert config["q_lora_rank"] is None
 
 
+def test_the_planners_real_shapes_keep_their_routing_and_dense_layers(built):
+    """DeepSeek-V3's grouped sigmoid routing and three dense layers; Qwen3-235B-A22B's 128 experts, top 8."""
+    v3, qwen = _config(built["deepseek_v3"]), _config(built["qwen3_235b_a22b"])
+
+    assert v3["architectures"] == ["DeepseekV3ForCausalLM"] and v3["num_hidden_layers"] == 61
+    assert (v3["first_k_dense_replace"], v3["n_routed_experts"], v3["num_experts_per_tok"]) == (3, 256, 8)
+    assert (v3["n_group"], v3["topk_group"], v3["topk_method"], v3["scoring_func"]) == (8, 4, "noaux_tc", "sigmoid")
+    assert (v3["hidden_size"], v3["moe_intermediate_size"], v3["q_lora_rank"]) == (7168, 2048, 1536)
+    assert (qwen["num_hidden_layers"], qwen["hidden_size"], qwen["moe_intermediate_size"]) == (94, 4096, 1536)
+    assert (qwen["num_local_experts"], qwen["num_experts_per_tok"], qwen["mlp_only_layers"]) == (128, 8, [])
+
+
 def test_only_the_mha_deepseek_needs_mla_disabled(built):
     assert serve_env(built["deepseek_v2"]) == {"VLLM_MLA_DISABLE": "1"}
     assert serve_env(built["deepseek_v2_mla"]) == {}

