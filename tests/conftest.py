@@ -6,7 +6,21 @@ Spawned workers inherit that sys.path.  Our own packages come installed (ci/setu
 The folders mirror the product (docs/testing.md#where-each-test-lives); fixtures that several of
 them use live here."""
 
+import threading
+
 import pytest
+
+METRICS_WATCHER = "afd-metrics"  # vllm_afd.metrics.AFDMetrics.watch's thread
+
+
+@pytest.fixture(autouse=True)
+def _metrics_watchers_end_with_their_test():
+    """A test that builds an AFD runner shuts it down, and with it the runner's metrics watcher thread."""
+    before = {t.ident for t in threading.enumerate() if t.name == METRICS_WATCHER}
+    yield
+    leaked = [t for t in threading.enumerate() if t.name == METRICS_WATCHER and t.ident not in before]
+    assert not leaked, (f"{len(leaked)} AFD metrics watcher thread(s) outlived the test: shut down the runners it "
+                        "built (runner.shutdown() / Telemetry.close())")
 
 
 @pytest.fixture(scope="module")

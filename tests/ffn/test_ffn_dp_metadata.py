@@ -9,6 +9,8 @@ adopts payloads into a real `StepState`, the model records `get_forward_context(
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 
 pytest.importorskip("vllm")
@@ -81,8 +83,10 @@ class RecordingModel:
         return self._record(hidden_states, layer_idx)
 
 
+@contextlib.contextmanager
 def recording_runner(model_dir, *, num_attention: int, num_ffn: int, role_rank: int, gate_on_attention=False):
-    """The real runner of FFN rank `role_rank` (FFN TP 1, so FFN DP = num_ffn), with recording model and connector."""
+    """The real runner of FFN rank `role_rank` (FFN TP 1, so FFN DP = num_ffn), with recording model and connector;
+    shut down on exit (its metrics watcher thread too)."""
     import torch
 
     from vllm_afd.ffn.runner import AFDFFNModelRunner
@@ -101,7 +105,10 @@ def recording_runner(model_dir, *, num_attention: int, num_ffn: int, role_rank: 
     runner.connector = RecordingConnector(placement, log)
     runner.model = RecordingModel(log)
     runner._moe_position = {layer: position for position, layer in enumerate(MOE_LAYERS)}
-    return runner, log
+    try:
+        yield runner, log
+    finally:
+        runner.shutdown()
 
 
 def run(runner, payload: ControlPayload) -> None:
@@ -115,9 +122,8 @@ def moe_calls(log: list) -> list[tuple]:
 
 def test_every_moe_call_of_a_stage_sees_that_stages_ffn_dp_counts(model_dir):
     """4A2F, FFN rank 1 (FFN DP rank 1): attention ranks 2 and 3 are its peers."""
-    runner, log = recording_runner(model_dir, num_attention=4, num_ffn=2, role_rank=1)
-
-    run(runner, ControlPayload({0: (1, 2, 3, 4), 1: (0, 0, 5, 0)}))
+    with recording_runner(model_dir, num_attention=4, num_ffn=2, role_rank=1) as (runner, log):
+        run(runner, ControlPayload({0: (1, 2, 3, 4), 1: (0, 0, 5, 0)}))
 
     assert moe_calls(log) == [
         (layer, position, counts)
@@ -133,26 +139,23 @@ def test_every_moe_call_of_a_stage_sees_that_stages_ffn_dp_counts(model_dir):
 @pytest.mark.parametrize("role_rank, own_rows", [(0, 1), (1, 4)])
 def test_an_idle_attention_rank_still_gives_its_ffn_dp_rank_one_row(model_dir, role_rank, own_rows):
     """2A2F, attention 0 idle: both FFN DP ranks run every MoE call, sized [1, 4]."""
-    runner, log = recording_runner(model_dir, num_attention=2, num_ffn=2, role_rank=role_rank)
-
-    run(runner, ControlPayload({0: (0, 4)}))
+    with recording_runner(model_dir, num_attention=2, num_ffn=2, role_rank=role_rank) as (runner, log):
+        run(runner, ControlPayload({0: (0, 4)}))
 
     assert [call[2] for call in moe_calls(log)] == [[1, 4]] * 4
     assert {entry for entry in log if entry[0] == "send"} == {("send", 0, own_rows)}
 
 
 def test_gate_on_attention_moe_calls_see_the_dp_counts_too(model_dir):
-    runner, log = recording_runner(model_dir, num_attention=3, num_ffn=2, role_rank=0, gate_on_attention=True)
-
-    run(runner, ControlPayload({0: (2, 3, 4)}))
+    with recording_runner(model_dir, num_attention=3, num_ffn=2, role_rank=0, gate_on_attention=True) as (runner, log):
+        run(runner, ControlPayload({0: (2, 3, 4)}))
 
     assert moe_calls(log) == [(layer, position, [5, 4]) for position, layer in enumerate(MOE_LAYERS)]
 
 
 def test_at_ffn_dp_1_no_moe_call_sees_dp_metadata(model_dir):
-    runner, log = recording_runner(model_dir, num_attention=2, num_ffn=1, role_rank=0)
-
-    run(runner, ControlPayload({0: (3, 5), 1: (1, 1)}))
+    with recording_runner(model_dir, num_attention=2, num_ffn=1, role_rank=0) as (runner, log):
+        run(runner, ControlPayload({0: (3, 5), 1: (1, 1)}))
 
     assert moe_calls(log) == [(layer, position, None) for layer, position in ((0, 0), (1, 0), (2, 1), (3, 2))
                               for _ in range(2)]

@@ -79,7 +79,7 @@ def test_a_mismatching_attention_is_refused_and_the_ffn_pairs_with_the_next_agre
     finally:
         right.close()
         wrong.close()
-        runner.connector.close()
+        runner.shutdown()
 
 
 def test_no_attention_within_reform_timeout_is_an_error_naming_the_key_and_the_fix(model_dir):
@@ -87,7 +87,7 @@ def test_no_attention_within_reform_timeout_is_an_error_naming_the_key_and_the_f
 
     with pytest.raises(AFDRendezvousTimeout) as info:
         runner.reform(AFDPeerLostError("AFD peer lost: attention rank 0 silent for 5.0s (peer_timeout_s=5)"))
-    runner.connector.close()
+    runner.shutdown()
 
     assert str(info.value) == (
         "AFD ffn rank 0: the attention did not return with an agreeing handshake within reform_timeout_s=1 after "

@@ -57,7 +57,7 @@ def ffn_runner(tmp_path):
     runner = AFDFFNModelRunner(make_role_vllm_config(vllm_config, afd_config), torch.device("cpu"), afd_config,
                                Placement("ffn", 0, 1, 1))
     yield runner
-    runner.connector.close()
+    runner.shutdown()
 
 
 def test_the_ffn_runner_refuses_dummy_weights_before_loading_anything(ffn_runner):
