@@ -10,7 +10,7 @@ import threading
 
 import pytest
 
-METRICS_WATCHER = "afd-metrics"  # vllm_afd.metrics.AFDMetrics.watch's thread
+from vllm_afd.metrics import WATCHER_THREAD as METRICS_WATCHER
 
 
 @pytest.fixture(autouse=True)

@@ -41,6 +41,7 @@ from vllm_afd.role import Role
 __all__ = [
     "BUCKETS_S",
     "METRICS_DIR_ENV",
+    "WATCHER_THREAD",
     "AFDMetrics",
     "expose_worker_metrics",
     "exposed_transport_ns",
@@ -62,6 +63,7 @@ BUCKETS_S = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2
 SHARE_WINDOW_STEPS = 64
 # How often the watcher writes the queued records and reads the connector's state.
 WATCH_INTERVAL_S = 0.5
+WATCHER_THREAD = "afd-metrics"  # the name of every rank's watcher thread (the tests check none outlives them)
 # Records queued for the watcher at most (the oldest are dropped: the watcher stopped).
 MAX_PENDING_RECORDS = 4096
 LABEL_NAMES = ("role", "role_rank", "connector")
@@ -265,7 +267,7 @@ class AFDMetrics:
         (tests without it call ``flush``)."""
         self._connector = connector
         if thread:
-            self._thread = threading.Thread(target=self._watch, name="afd-metrics", daemon=True)
+            self._thread = threading.Thread(target=self._watch, name=WATCHER_THREAD, daemon=True)
             self._thread.start()
 
     def close(self) -> None:

@@ -392,13 +392,13 @@ def phase_profile(run: Run) -> dict[str, Any]:
     """afd_plan.py profile on the device for each model (dummy weights, up to its first MoE layer): OUT/profiles/."""
     out_dir = run.out_dir / "profiles"
     out_dir.mkdir(exist_ok=True)
+    device = "cuda" if run.args.platform == "cuda" else "cpu"
     results: dict[str, Any] = {}
     for arch in [a for a in run.args.models if a in run.models]:
         if run.time_left() < 30:
             results[arch] = {"status": "skipped", "error": f"budget: {run.time_left():.0f} s left"}
             continue
         out_file = out_dir / f"{arch}.json"
-        device = "cuda" if run.args.platform == "cuda" else "cpu"
         argv = [sys.executable, str(REPO / "scripts" / "afd_plan.py"), "profile", run.models[arch]["path"],
                 "--device", device, "--load-format", "dummy", "--layers", "first-moe", "--out", str(out_file),
                 *shlex.split(run.args.profile_args)]
