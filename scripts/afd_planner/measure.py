@@ -221,6 +221,16 @@ def _kv_cache(spec: Any, backend: Any, num_blocks: int, device: Any) -> Any:
     return physical.permute([order.index(i) for i in range(4)])
 
 
+def _attention_module(self_attn: Any) -> Any:
+    """The one vLLM attention layer inside a decoder layer's `self_attn` (`Attention`, or DeepSeek's `MLAAttention`
+    inside its MLA wrapper): the module that owns the layer name, KV cache spec and backend."""
+    from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+
+    found = [module for module in self_attn.modules() if isinstance(module, AttentionLayerBase)]
+    assert len(found) == 1, f"{type(self_attn).__name__} holds {len(found)} attention layers, expected one"
+    return found[0]
+
+
 def _attention_samples(model: Any, config: Any, layer_idx: int, grid: Grid, device: Any, sync: Callable[[], None],
                        extra_args: tuple[Any, ...],
                        before: Callable[[], None]) -> tuple[list[dict[str, Any]], list[str]]:
@@ -231,7 +241,7 @@ def _attention_samples(model: Any, config: Any, layer_idx: int, grid: Grid, devi
     from vllm.v1.attention.backend import CommonAttentionMetadata
 
     layer = model.model.layers[layer_idx]
-    attn = layer.self_attn.attn
+    attn = _attention_module(layer.self_attn)
     name, spec, backend = attn.layer_name, attn.get_kv_cache_spec(config), attn.get_attn_backend()
     hidden, dtype = config.model_config.hf_text_config.hidden_size, config.model_config.dtype
     block = spec.block_size
@@ -353,6 +363,10 @@ def measure_profile(model_dir: Path, grid: Grid, *, device: str = "cpu", load_fo
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     where = torch.device("cuda:0" if device == "cuda" else "cpu")
     _init_world(configs["attention"], device)
+    if device == "cuda":
+        from vllm.v1.worker.workspace import init_workspace_manager
+
+        init_workspace_manager(where)  # the fused MoE's scratch, as vLLM's GPU worker sets it up before the model
     attention_model, ffn_model = _load(configs["attention"], where), _load(configs["ffn"], where)
     num_experts = num_routed_experts(hf)
     evict = CacheEvictor() if cold_cache and device == "cpu" else None

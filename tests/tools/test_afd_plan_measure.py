@@ -77,6 +77,23 @@ def test_the_planner_reads_the_measured_profile(measured, capsys):
     assert capsys.readouterr().out.startswith("step ")
 
 
+def test_deepseek_mla_is_measured_through_its_mla_attention(tmp_path):
+    """DeepSeek's attention layer sits inside its MLA wrapper (`self_attn.mla_attn.mla_attn`, no `self_attn.attn`):
+    the profile finds it by type and samples it on the MLA KV cache (one latent head)."""
+    from afd_harness.tiny_models import build_tiny_model
+
+    model = build_tiny_model("deepseek_v2_mla", tmp_path / "deepseek_v2_mla")
+    out = tmp_path / "profile.json"
+    command = [sys.executable, str(Path(afd_plan.__file__)), "profile", str(model), "--layers", "first-moe",
+               "--batches", "1,4", "--contexts", "16", "--tokens", "1", "--warmup", "0", "--repeats", "1",
+               "--no-transport", "--out", str(out)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    profile = load_profile(out)
+    assert [(s.context, s.batch) for s in profile.attention] == [(16, 1), (16, 4)]
+    assert all(s.ms > 0 for s in profile.attention)
+
+
 # --- bad arguments: refused before anything is built ---
 
 @pytest.fixture
