@@ -25,7 +25,8 @@ from pathlib import Path
 
 from afd_planner.cost import CostModel
 from afd_planner.links import LINKS, Link, parse_link
-from afd_planner.measure import LOAD_FORMATS, Grid, layers_through_first_moe, measure_profile, read_model_config
+from afd_planner.measure import (LOAD_FORMATS, CaptureError, Grid, layers_through_first_moe, measure_profile,
+                                 read_model_config)
 from afd_planner.profile import ProfileError, load_profile
 from afd_planner.search import Candidate, Plan, plan
 
@@ -179,8 +180,8 @@ def _layers(text: str) -> int | str:
         raise argparse.ArgumentTypeError(f"expected a number of layers or {FIRST_MOE}, got {text!r}") from None
 
 
-def check_measure_args(args: argparse.Namespace) -> tuple[Grid, dict]:
-    """The grid and the model's config.json, or SystemExit naming the bad argument (nothing built yet)."""
+def check_measure_args(args: argparse.Namespace) -> tuple[Grid, int | None]:
+    """The grid and the layers to build (None: all), or SystemExit naming the bad argument (nothing built yet)."""
     grid = Grid(batches=_sizes(args.batches, "batches", 1), contexts=_sizes(args.contexts, "contexts", 1),
                 tokens=_sizes(args.tokens, "tokens", 1), warmup=args.warmup, repeats=args.repeats)
     if args.warmup < 0 or args.repeats < 1:
@@ -189,14 +190,15 @@ def check_measure_args(args: argparse.Namespace) -> tuple[Grid, dict]:
         config = read_model_config(args.model_dir)
     except ValueError as exc:
         raise SystemExit(f"afd_plan: {exc}") from None
-    if args.layers == FIRST_MOE:
+    layers = args.layers
+    if layers == FIRST_MOE:
         try:
-            args.layers = layers_through_first_moe(args.model_dir)
+            layers = layers_through_first_moe(args.model_dir)
         except ValueError as exc:
             raise SystemExit(f"afd_plan: {exc}") from None
-    if args.layers is not None and not 1 <= args.layers <= config["num_hidden_layers"]:
+    if layers is not None and not 1 <= layers <= config["num_hidden_layers"]:
         raise SystemExit(f"afd_plan: --layers must be 1..{config['num_hidden_layers']} (the model's layers), "
-                         f"got {args.layers}")
+                         f"got {layers}")
     longest = config.get("max_position_embeddings")
     if isinstance(longest, int) and max(grid.contexts) + 2 > longest:
         raise SystemExit(f"afd_plan: --contexts up to {max(grid.contexts)} exceed the model's "
@@ -208,13 +210,15 @@ def check_measure_args(args: argparse.Namespace) -> tuple[Grid, dict]:
 
         if not torch.cuda.is_available():
             raise SystemExit("afd_plan: --device cuda but torch sees no CUDA device; use --device cpu")
-    return grid, config
+    elif args.eager:
+        raise SystemExit("afd_plan: --eager is for --device cuda (CPU samples are always eager calls)")
+    return grid, layers
 
 
 def cmd_measure(args: argparse.Namespace) -> int:
-    grid, _ = check_measure_args(args)
+    grid, layers = check_measure_args(args)
     body, notes = measure_profile(args.model_dir, grid, device=args.device, load_format=args.load_format,
-                                  num_layers=args.layers, transport=args.transport)
+                                  num_layers=layers, transport=args.transport, eager=args.eager)
     if args.device_name:
         body["device"] = args.device_name
     args.out.write_text(json.dumps(body, indent=1) + "\n", encoding="utf-8")
@@ -274,6 +278,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=10, help="timed calls per sample; the median is kept (default 10)")
     p.add_argument("--no-transport", dest="transport", action="store_false",
                    help="skip the two-process round trip (a 0 ms transport sample; plan with --link)")
+    p.add_argument("--eager", action="store_true",
+                   help="cuda: time eager calls (launch costs included) instead of each sample's CUDA graph replay")
     p.add_argument("--device-name", help="the profile's device text (default: what was measured on)")
     p.set_defaults(run=cmd_measure)
 
@@ -297,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"afd_plan: --stages must be 1, 2 or 3, got {args.stages}")
     try:
         return args.run(args)
-    except (ProfileError, ValueError) as exc:
+    except (ProfileError, ValueError, CaptureError) as exc:
         raise SystemExit(f"afd_plan: {exc}") from None
 
 

@@ -33,10 +33,12 @@ from typing import Any
 
 from .profile import SCHEMA, VERSION, parse_profile
 
-__all__ = ["CacheEvictor", "Grid", "Timing", "last_level_cache_bytes", "measure_profile", "read_model_config",
-           "time_call"]
+__all__ = ["GRAPH_CAPTURE_FAILED", "CacheEvictor", "CaptureError", "Grid", "Timer", "Timing", "cuda_graph",
+           "last_level_cache_bytes", "measure_profile", "read_model_config", "time_call"]
 
 LOAD_FORMATS = ("auto", "dummy", "safetensors")
+# In the error of a sample whose CUDA graph could not be captured (the device run then retries with --eager).
+GRAPH_CAPTURE_FAILED = "in a CUDA graph failed"
 # Checkpoint architecture -> what its decoder layer passes to `self_attn` after (positions, hidden_states), as
 # the native `forward`s of vLLM 0.30.0 do (DeepSeek-V2/V3: `llama_4_scaling`, None without Llama-4 scaling).
 SELF_ATTN_EXTRA_ARGS: dict[str, tuple[Any, ...]] = {
@@ -83,6 +85,50 @@ def time_call(fn: Callable[[], Any], warmup: int, repeats: int, sync: Callable[[
         sync()
         samples.append((time.perf_counter() - started) * 1e3)
     return Timing(statistics.median(samples), min(samples), max(samples))
+
+
+class CaptureError(RuntimeError):
+    """A sample's layer could not be captured in a CUDA graph (the message says how to time it eagerly)."""
+
+
+def cuda_graph(fn: Callable[[], Any], warmup: int, what: str) -> Callable[[], Any]:
+    """`fn` run `warmup` (at least one) times on a side stream, then captured once in a CUDA graph (as torch's
+    `make_graphed_callables` does); the returned call replays it: the GPU time a FULL_DECODE_ONLY step spends in
+    the layer, without the eager launch costs (which dominate small layers on a GPU)."""
+    import torch
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(max(warmup, 1)):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            fn()
+    except Exception as exc:
+        raise CaptureError(f"profile: capturing {what} {GRAPH_CAPTURE_FAILED} ({type(exc).__name__}: {exc}); "
+                           "rerun with --eager to time the layers eagerly (launch costs included)") from exc
+    return graph.replay
+
+
+@dataclass(frozen=True, slots=True)
+class Timer:
+    """How every sample of a profile is timed: `fn` called as is (CPU; CUDA with --eager), or its CUDA graph
+    replayed (`graphs`); `before` runs untimed ahead of each timed call (a `CacheEvictor` on CPU)."""
+
+    grid: Grid
+    sync: Callable[[], None] = _nothing
+    before: Callable[[], None] = _nothing
+    graphs: bool = False
+
+    def __call__(self, fn: Callable[[], Any], what: str) -> Timing:
+        timed = cuda_graph(fn, self.grid.warmup, what) if self.graphs else fn
+        return time_call(timed, self.grid.warmup, self.grid.repeats, self.sync, self.before)
+
+    def describe(self) -> str:
+        return "CUDA graph replays" if self.graphs else "eager calls"
 
 
 # Smallest eviction write: above the last-level cache of the machines measured (32 MiB on the 2-core box).
@@ -231,9 +277,8 @@ def _attention_module(self_attn: Any) -> Any:
     return found[0]
 
 
-def _attention_samples(model: Any, config: Any, layer_idx: int, grid: Grid, device: Any, sync: Callable[[], None],
-                       extra_args: tuple[Any, ...],
-                       before: Callable[[], None]) -> tuple[list[dict[str, Any]], list[str]]:
+def _attention_samples(model: Any, config: Any, layer_idx: int, grid: Grid, device: Any, timer: Timer,
+                       extra_args: tuple[Any, ...]) -> tuple[list[dict[str, Any]], list[str]]:
     """One decode token per request against `context` cached tokens, through the layer's own modules."""
     import torch
     from vllm.config import set_current_vllm_config
@@ -273,14 +318,14 @@ def _attention_samples(model: Any, config: Any, layer_idx: int, grid: Grid, devi
 
             with torch.inference_mode(), set_forward_context({name: metadata}, config,
                                                              slot_mapping={name: slots.to(device)}):
-                timing = time_call(attention, grid.warmup, grid.repeats, sync, before)
+                timing = timer(attention, f"the attention at B {batch} L {context}")
             samples.append({"batch": batch, "context": context, "ms": round(timing.median_ms, 4)})
             notes.append(f"attention B {batch} L {context}: {timing.spread()}")
     return samples, notes
 
 
 def _ffn_samples(model: Any, config: Any, layer_idx: int, grid: Grid, num_experts: int, device: Any,
-                 sync: Callable[[], None], before: Callable[[], None]) -> tuple[list[dict[str, Any]], list[str]]:
+                 timer: Timer) -> tuple[list[dict[str, Any]], list[str]]:
     import torch
     from vllm.forward_context import set_forward_context
 
@@ -289,15 +334,14 @@ def _ffn_samples(model: Any, config: Any, layer_idx: int, grid: Grid, num_expert
     with torch.inference_mode(), set_forward_context(None, config):
         for tokens in grid.tokens:
             states = torch.randn(tokens, hidden, device=device).to(dtype)
-            timing = time_call(lambda states=states: model.compute_ffn_output(states, layer_idx), grid.warmup,
-                               grid.repeats, sync, before)
+            timing = timer(lambda states=states: model.compute_ffn_output(states, layer_idx), f"the FFN at T {tokens}")
             samples.append({"tokens": tokens, "experts": num_experts, "ms": round(timing.median_ms, 4)})
             notes.append(f"ffn T {tokens}: {timing.spread()}")
     return samples, notes
 
 
-def _step_samples(model: Any, config: Any, grid: Grid, device: Any, sync: Callable[[], None],
-                  before: Callable[[], None]) -> tuple[list[dict[str, Any]], list[str]]:
+def _step_samples(model: Any, config: Any, grid: Grid, device: Any,
+                  timer: Timer) -> tuple[list[dict[str, Any]], list[str]]:
     import torch
     from vllm.forward_context import set_forward_context
 
@@ -314,7 +358,7 @@ def _step_samples(model: Any, config: Any, grid: Grid, device: Any, sync: Callab
                 states, _ = model.model.norm(states, residual)
                 return model.compute_logits(states).argmax(dim=-1)
 
-            timing = time_call(host_share, grid.warmup, grid.repeats, sync, before)
+            timing = timer(host_share, f"the step's host share at B {batch}")
             samples.append({"batch": batch, "ms": round(timing.median_ms, 4)})
             notes.append(f"step B {batch} (embedding, norm, logits, pick): {timing.spread()}")
     return samples, notes
@@ -332,12 +376,13 @@ def control_payload_ms(batch: int, grid: Grid) -> Timing:
 
 
 def measure_profile(model_dir: Path, grid: Grid, *, device: str = "cpu", load_format: str = "auto",
-                    num_layers: int | None = None, transport: bool = True,
-                    cold_cache: bool = True) -> tuple[dict[str, Any], list[str]]:
+                    num_layers: int | None = None, transport: bool = True, cold_cache: bool = True,
+                    eager: bool = False) -> tuple[dict[str, Any], list[str]]:
     """(the profile as JSON, per-sample notes with their spread); the profile passes `parse_profile`.
 
     `cold_cache` (CPU only): evict the caches before every timed call, as the engine's layers find them; False
-    times a layer called back to back (its weights cached: the isolated layer's best case)."""
+    times a layer called back to back (its weights cached: the isolated layer's best case).  On CUDA every sample
+    is a CUDA graph's replay unless `eager` (then the eager launch costs are in every sample)."""
     import torch
 
     from vllm_afd.models import register_afd_models
@@ -370,11 +415,11 @@ def measure_profile(model_dir: Path, grid: Grid, *, device: str = "cpu", load_fo
     attention_model, ffn_model = _load(configs["attention"], where), _load(configs["ffn"], where)
     num_experts = num_routed_experts(hf)
     evict = CacheEvictor() if cold_cache and device == "cpu" else None
-    before = evict or _nothing
-    attention, notes = _attention_samples(attention_model, configs["attention"], moe[0], grid, where, sync,
-                                          SELF_ATTN_EXTRA_ARGS[architecture], before)
-    ffn, ffn_notes = _ffn_samples(ffn_model, configs["ffn"], moe[0], grid, num_experts, where, sync, before)
-    step, step_notes = _step_samples(attention_model, configs["attention"], grid, where, sync, before)
+    timer = Timer(grid, sync, evict or _nothing, graphs=device == "cuda" and not eager)
+    attention, notes = _attention_samples(attention_model, configs["attention"], moe[0], grid, where, timer,
+                                          SELF_ATTN_EXTRA_ARGS[architecture])
+    ffn, ffn_notes = _ffn_samples(ffn_model, configs["ffn"], moe[0], grid, num_experts, where, timer)
+    step, step_notes = _step_samples(attention_model, configs["attention"], grid, where, timer)
     notes += ffn_notes + step_notes
     dtype = configs["ffn"].model_config.dtype
     model = {"name": Path(model_dir).name, "hidden_size": hf.hidden_size, "num_layers": full_layers,
@@ -393,8 +438,8 @@ def measure_profile(model_dir: Path, grid: Grid, *, device: str = "cpu", load_fo
     body = {"schema": SCHEMA, "version": VERSION,
             "device": f"{'CPU, 1 thread per role' if device == 'cpu' else torch.cuda.get_device_name(0)}",
             "source": f"afd_plan.py profile {model_dir} (load format {load_format}, {hf.num_hidden_layers} of "
-                      f"{full_layers} layers built; layer {moe[0]}; median of {grid.repeats} after {grid.warmup} "
-                      f"warm-up; {cache_text})",
+                      f"{full_layers} layers built; layer {moe[0]}; median of {grid.repeats} {timer.describe()} after "
+                      f"{grid.warmup} warm-up; {cache_text})",
             "model": model, "attention": attention, "ffn": ffn, "transport": wire, "step": step,
             "afd_step_extra_ms": round(extra, 4)}
     if not wire:

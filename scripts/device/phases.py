@@ -26,6 +26,7 @@ import install_overlay
 import round_records
 import serving
 import stage_prediction
+from afd_planner.measure import GRAPH_CAPTURE_FAILED
 from run_state import HARNESS, HERE, REPO, Run, guarded
 IMPORT_CHECK = """
 import importlib.metadata as m, json, torch, vllm
@@ -404,8 +405,14 @@ def phase_profile(run: Run) -> dict[str, Any]:
                 *shlex.split(run.args.profile_args)]
         done = run.run_cmd(argv, env=run.env(), timeout_s=max(30.0, run.time_left() - 15),
                            log_name=f"profile-{arch}")
+        timing = "eager" if device == "cpu" or "--eager" in argv else "graphs"
+        if done["rc"] != 0 and GRAPH_CAPTURE_FAILED in done["tail"] and run.time_left() >= 30:
+            # one device run is all a session may get: an eager profile (launch costs in) beats none
+            timing = f"eager: graph capture failed (profile-{arch}.log)"
+            done = run.run_cmd([*argv, "--eager"], env=run.env(), timeout_s=max(30.0, run.time_left() - 15),
+                               log_name=f"profile-{arch}-eager")
         ok = done["rc"] == 0 and out_file.is_file()
-        results[arch] = {"rc": done["rc"], "status": "ok" if ok else "failed",
+        results[arch] = {"rc": done["rc"], "status": "ok" if ok else "failed", "timing": timing,
                          "file": f"profiles/{out_file.name}" if ok else None,
                          "notes": [line for line in done["stdout"].splitlines() if line.startswith("note: ")],
                          "error": None if ok else done["tail"][-2000:]}

@@ -52,6 +52,7 @@ def test_the_profile_reads_back_with_the_full_models_shape(measured):
     assert f"wrote {out}" in stdout
     assert "2 of 3 layers built; layer 1" in profile.source
     assert "cold cache: " in profile.source  # on CPU every timed call starts with the caches evicted
+    assert "median of 2 eager calls after 1 warm-up" in profile.source  # CUDA graphs are for --device cuda
 
 
 def test_every_sample_of_the_grid_is_there_positive_and_in_order(measured):
@@ -111,6 +112,7 @@ def nothing_built(monkeypatch):
     (["--layers", "0"], r"--layers must be 1..3 \(the model's layers\), got 0"),
     (["--layers", "4"], r"--layers must be 1..3 \(the model's layers\), got 4"),
     (["--repeats", "0"], "--warmup must be >= 0 and --repeats >= 1"),
+    (["--eager"], r"--eager is for --device cuda \(CPU samples are always eager calls\)"),
 ])
 def test_a_bad_grid_or_layer_count_is_refused(nothing_built, tiny_qwen3_moe, tmp_path, extra, message):
     with pytest.raises(SystemExit, match=message):

@@ -408,6 +408,31 @@ def test_the_profile_phase_writes_a_profile_per_model_that_comes_back(tmp_path):
     assert "2 of 3 layers built; layer 1" in json.loads((out / record["file"]).read_text())["source"]
 
 
+def test_a_profile_whose_graph_capture_fails_is_taken_again_eagerly(tmp_path):
+    """One device run is all a session may get: a layer that cannot be captured costs the graphs, not the profile."""
+    from afd_planner.measure import GRAPH_CAPTURE_FAILED
+
+    class CaptureFailsOnce(run_state.Run):
+        def run_cmd(self, argv, *, env, timeout_s, log_name):
+            self.calls.append((log_name, argv))
+            if "--eager" not in argv:
+                tail = f"afd_plan: profile: capturing the FFN at T 8 {GRAPH_CAPTURE_FAILED}"
+                return {"rc": 2, "stdout": "", "tail": tail}
+            Path(argv[argv.index("--out") + 1]).write_text("{}")
+            return {"rc": 0, "stdout": "note: ffn T 8: 1.0 ms (1.0..1.0)\n", "tail": ""}
+
+    run = CaptureFailsOnce(_parse("--work", str(tmp_path / "w"), "--afd-site", str(tmp_path / "site"),
+                                  "--models", "qwen3_moe", out=str(tmp_path / "out")))
+    run.calls, run.models = [], {"qwen3_moe": {"path": str(tmp_path / "model")}}
+
+    result = phases.phase_profile(run)
+
+    assert [name for name, _ in run.calls] == ["profile-qwen3_moe", "profile-qwen3_moe-eager"]
+    record = result["models"]["qwen3_moe"]
+    assert result["status"] == "ok" and record["timing"] == "eager: graph capture failed (profile-qwen3_moe.log)"
+    assert record["notes"] == ["note: ffn T 8: 1.0 ms (1.0..1.0)"]
+
+
 def test_subprocesses_find_cute_dsl_packages_that_only_a_pth_file_names(tmp_path):
     """PYTHONPATH skips .pth files: the staged site's CuTe DSL folder is named on it, once staged."""
     site = tmp_path / "vs"
