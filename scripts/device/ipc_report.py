@@ -94,17 +94,26 @@ def floor_lines(floor: Mapping[str, Any], bench: Mapping[str, Any]) -> list[str]
     return lines
 
 
+def _verdict_ratio(result: Mapping[str, Any], numerator: str, denominator: str, batch: int) -> str | None:
+    cell = result.get("paired", {}).get(f"{numerator}/{denominator}", {}).get(str(batch), {})
+    if cell.get("median") is not None:
+        return f"{cell['median']:.3g} (per repetition {cell['min']:.3g}–{cell['max']:.3g})"
+    variants = result.get("variants", {})
+    value = report.ratio(tok_s(variants, numerator, batch), tok_s(variants, denominator, batch))
+    return None if value is None else f"{value:.3g}"
+
+
 def verdict_lines(bench: Mapping[str, Any]) -> list[str]:
+    """One line per model: the median of the per-repetition ratios (with their min–max) where the bench paired
+    its repetitions, else the ratio of the two median rates (a bench recorded before the pairing)."""
     lines = []
     for model, result in bench.get("models", {}).items():
-        variants = result.get("variants", {})
-        parts = [f"{name} at B={batch}: {value:.3g}"
+        parts = [f"{name} at B={batch}: {value}"
                  for batch in result.get("batches", [])
-                 for name, value in (
-                     ("IPC graphs / plain graphs", report.ratio(tok_s(variants, "afd_ipc_graphs", batch),
-                                                                tok_s(variants, "plain_graphs", batch))),
-                     ("IPC eager / gloo eager", report.ratio(tok_s(variants, "afd_ipc_eager", batch),
-                                                             tok_s(variants, "afd_eager", batch))))
+                 for name, value in (("IPC graphs / plain graphs",
+                                      _verdict_ratio(result, "afd_ipc_graphs", "plain_graphs", batch)),
+                                     ("IPC eager / gloo eager",
+                                      _verdict_ratio(result, "afd_ipc_eager", "afd_eager", batch)))
                  if value is not None]
         if parts:
             lines.append(f"- **{model}** (tok/s): " + "; ".join(parts))

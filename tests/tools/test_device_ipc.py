@@ -128,6 +128,16 @@ def test_the_ipc_block_shows_the_asked_ratios_and_serving_over_the_floor():
     assert text.index("### AFD over CUDA IPC: verdict") < text.index("### IPC round trip per layer")
 
 
+def test_the_verdict_is_the_median_of_the_paired_repetitions_where_the_bench_paired_them():
+    """Two identical H100 runs read 0.979 and 0.871 as median ÷ median, 1.05 and 0.954 as paired medians."""
+    paired = {"afd_ipc_graphs/plain_graphs": {"1": {"median": 0.914, "min": 0.72, "max": 1.16}}}
+    bench = {"models": {"qwen3_moe": {"batches": [1], "variants": VARIANTS, "paired": paired}}}
+
+    assert ipc_report.verdict_lines(bench) == [
+        "- **qwen3_moe** (tok/s): IPC graphs / plain graphs at B=1: 0.914 (per repetition 0.72–1.16); "
+        "IPC eager / gloo eager at B=1: 1.6"]
+
+
 def test_a_round_without_ipc_renders_no_ipc_block():
     assert ipc_report.markdown_lines({"phases": {"bench": {"models": {"m": {"batches": [1], "variants": {
         "plain_eager": {"1": rate(1.0, 1.0)}}}}}}}) == []
