@@ -407,21 +407,24 @@ def report(targets: list[Target], batch_sizes: list[int], title: str, min_tokens
               "receive, predicted from the 1-stage fits; host = step - layers: scheduling, sampling, the first "
               "stage's first attention, the head):", "",
               "| batch | stages | a ms | f ms | t ms | attention busy | FFN busy | layers ms (predicted) | step ms | "
-              "host ms | CPU cores by process |", "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+              "1 stage's step ÷ this | host ms | CPU cores by process |",
+              "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for b in batch_sizes:
+        one_stage = step_ms(afd[1], b) if 1 in afd and costs[(1, b)] is not None else math.nan
         for k in stages:
             c = costs[(k, b)]
             if c is None:
-                lines.append(f"| {b} | {k} | — | — | — | — | — | — | — | — | {cpu_shares(afd[k], b)} |")
+                lines.append(f"| {b} | {k} | — | — | — | — | — | — | — | — | — | {cpu_shares(afd[k], b)} |")
                 continue
             predicted, ran, step = "—", c.num_stages, step_ms(afd[k], b)
+            speedup = f"{one_stage / step:.3f}" if step > 0 and math.isfinite(one_stage / step) else "—"
             if fits is not None:
                 n = b / ran  # the span starts at the first send: without the first stage's first attention
                 layers = stage_model.simulate_layers(fits[0](n), fits[1](n), fits[2](n), c.num_layers, ran) - fits[0](n)
                 predicted = f"{layers:.2f}"
             lines.append(f"| {b} | {k}{'' if ran == k else f' (ran {ran})'} | {c.a:.3f} | {c.f:.3f} | {c.t:.3f} | "
                          f"{c.attention_busy:.2f} | {c.ffn_busy:.2f} | {c.layers_ms:.2f} ({predicted}) | {step:.2f} | "
-                         f"{step - c.layers_ms:.2f} | {cpu_shares(afd[k], b)} |")
+                         f"{speedup} | {step - c.layers_ms:.2f} | {cpu_shares(afd[k], b)} |")
     for t in plain:
         lines.append("")
         lines.append(f"{t.label}, CPU cores by process: "

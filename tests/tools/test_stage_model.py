@@ -159,3 +159,26 @@ def test_a_batchs_costs_come_from_its_measured_decode_steps_only():
     assert costs.a == pytest.approx(0.300) and costs.f == pytest.approx(0.200) and costs.t == pytest.approx(0.100)
     assert stage_model.batch_costs(attention, ffn[1:], 8, [(145, 155)]) is None  # step 1 without its FFN record
     assert stage_model.batch_costs(attention, ffn, 8, []) is None
+
+
+def test_the_bench_report_prints_each_stage_counts_timeline_step_against_one_stages(tmp_path):
+    """The decode step from the timeline (next step's opening minus this one's), 1 stage's ÷ k stages': the
+    reproducible figure at long context, where T(N) − T(1) carries the prefill's noise."""
+    import json
+
+    import bench_afd_cpu
+
+    targets = [bench_afd_cpu.Target(f"AFD {k} stage", "", {}, num_stages=k, timeline=tmp_path / str(k))
+               for k in (1, 2)]
+    for target, step_ns in zip(targets, (10_000_000, 8_000_000)):
+        target.tok_s[8], target.windows[8], target.cpu[8] = [1.0], [(-1, 3 * step_ns)], [{}]
+        target.timeline.mkdir()
+        for role, index in (("attention", 0), ("ffn", 1)):
+            record = staged_step(a_us=100, f_us=50, wire_us=100, layers=3, stages=target.num_stages)[index].to_json()
+            lines = [json.dumps({**record, "step_seq": seq, "opened_ns": seq * step_ns}) for seq in (0, 1)]
+            (target.timeline / f"{role}-0.jsonl").write_text("\n".join(lines) + "\n")
+
+    detail = [line.split(" | ") for line in bench_afd_cpu.report(targets, [8], "title", min_tokens_per_stage=4)
+              if line.startswith("| 8 | ") and line.count("|") > 9]
+
+    assert [(cells[1], cells[8], cells[9]) for cells in detail] == [("1", "10.00", "1.000"), ("2", "8.00", "1.250")]
