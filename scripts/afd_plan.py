@@ -27,7 +27,7 @@ from afd_planner.cost import CostModel
 from afd_planner.links import LINKS, Link, parse_link
 from afd_planner.measure import (LOAD_FORMATS, CaptureError, Grid, layers_through_first_moe, measure_profile,
                                  read_model_config)
-from afd_planner.profile import ProfileError, load_profile
+from afd_planner.profile import ProfileError, StepSample, load_profile
 from afd_planner.search import Candidate, Plan, plan
 
 AFD_MARGIN = 0.05  # AFD must beat the baseline by more than this share: the model's own error is about that
@@ -102,6 +102,8 @@ def _model(args: argparse.Namespace):
     profile = load_profile(args.profile)
     if args.num_layers is not None:
         profile = replace(profile, model=replace(profile.model, num_layers=args.num_layers))
+    if args.host_ms is not None:
+        profile = replace(profile, step=tuple(StepSample(sample.batch, args.host_ms) for sample in profile.step))
     link = parse_link(args.link) if args.link else None
     collective = link or LINKS["nvlink"]
     return profile, CostModel.from_profile(profile, link, collective), link, collective
@@ -236,6 +238,9 @@ def parser() -> argparse.ArgumentParser:
         p.add_argument("profile", type=Path)
         p.add_argument("--context", type=int, help="tokens of context per request (default: the profile's largest)")
         p.add_argument("--num-layers", type=int, help="crossing layers to plan for (default: the profile's)")
+        p.add_argument("--host-ms", type=float,
+                       help="per-step host share measured in the served engine (e.g. bench_afd_cpu.py's 'host ms'), "
+                            "instead of the profile's step samples (an isolated profile's are a lower bound)")
         p.add_argument("--link", help=f"A<->F and collective wire: {', '.join(LINKS)} or GB_PER_S,LATENCY_US "
                                       "(default: the profile's measured transport; collectives on nvlink)")
 
@@ -299,6 +304,8 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("gpus", "max_batch", "batch", "attention_ranks", "stages", "min_tokens_per_stage", "num_layers"):
         if getattr(args, name, 1) is not None and getattr(args, name, 1) < 1:
             raise SystemExit(f"afd_plan: --{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if getattr(args, "host_ms", None) is not None and args.host_ms < 0:
+        raise SystemExit(f"afd_plan: --host-ms must be >= 0, got {args.host_ms}")
     if getattr(args, "stages", 1) > 3:
         raise SystemExit(f"afd_plan: --stages must be 1, 2 or 3, got {args.stages}")
     try:

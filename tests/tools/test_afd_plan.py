@@ -229,6 +229,15 @@ def test_predict_prints_one_deployment(tmp_path, capsys):
     assert capsys.readouterr().out.startswith(f"step {2 * 0.21 + 1.5:.3f} ms")
 
 
+def test_a_measured_host_share_replaces_the_profiles_step_samples(tmp_path, capsys):
+    """The served engine's host share (bench_afd_cpu.py's 'host ms') instead of the isolated profile's 1.0 ms."""
+    one = ["predict", write(tmp_path, toy(extra=0.5)), "--attention-ranks", "1", "--ffn-ranks", "1", "--batch", "4"]
+    afd_plan.main([*one, "--host-ms", "9"])
+    assert capsys.readouterr().out.startswith(f"step {2 * 0.21 + 9 + 0.5:.3f} ms")
+    with pytest.raises(SystemExit, match="--host-ms must be >= 0, got -1.0"):
+        afd_plan.main([*one, "--host-ms", "-1"])
+
+
 def test_predict_on_one_shared_device_serializes_the_roles_and_counts_one_gpu(tmp_path, capsys):
     profile = write(tmp_path, toy(extra=0.5))
     one = ["predict", profile, "--attention-ranks", "1", "--ffn-ranks", "1", "--batch", "4"]
