@@ -15,9 +15,11 @@ shapes without a checkpoint, `--layers N` builds N layers).  Then, per crossing 
   control    one control payload's encode and checked decode (wire.messages), added to the transport's
              per-step publish as `afd_step_extra_ms`.
 Every sample is the median of `repeats` timed calls after `warmup` untimed ones; the spread (min, max) is
-returned beside the body for the report.  On CPU every timed call starts with a cold cache (`CacheEvictor`, untimed):
-in the engine a layer's weights leave the shared last-level cache between two calls of it (the other layers, the
-other role's expert reads), and a layer called back to back would read them from the cache instead.
+returned beside the body for the report.  On CUDA a timed call replays the sample's CUDA graph (`Timer`): the
+GPU time of a FULL_DECODE_ONLY step, without eager launch costs (the `step` sample then times its GPU work
+only).  On CPU every timed call starts with a cold cache (`CacheEvictor`, untimed): in the engine a layer's
+weights leave the shared last-level cache between two calls of it (the other layers, the other role's expert
+reads), and a layer called back to back would read them from the cache instead.
 """
 
 from __future__ import annotations
