@@ -23,6 +23,7 @@ from typing import Any
 
 import e2e_report as report
 import install_overlay
+import repo_paths  # noqa: F401 - scripts/ on sys.path (no pip on the device) for afd_planner below
 import round_records
 import serving
 import stage_prediction

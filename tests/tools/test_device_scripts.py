@@ -69,6 +69,14 @@ def bare_python(tmp_path_factory):
     return str(venv / "bin" / "python")
 
 
+def test_the_device_scripts_import_where_nothing_of_the_repo_is_installed(bare_python):
+    """As on the GPU machine: gpu_e2e.py and every module it imports (phases -> afd_planner) find their roots."""
+    done = subprocess.run([bare_python, str(ROOT / "scripts" / "device" / "gpu_e2e.py"), "--help"],
+                          env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"}, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
 @pytest.fixture
 def package_root(tmp_path):
     """The overlay package without the egg-info a local `pip install -e .` leaves in overlay/."""
