@@ -25,8 +25,8 @@ from pathlib import Path
 
 from afd_planner.cost import CostModel
 from afd_planner.links import LINKS, Link, parse_link
-from afd_planner.measure import (LOAD_FORMATS, CaptureError, Grid, layers_through_first_moe, measure_profile,
-                                 read_model_config)
+from afd_planner.measure import (EXIT_CAPTURE_FAILED, LOAD_FORMATS, CaptureError, Grid, layers_through_first_moe,
+                                 measure_profile, read_model_config)
 from afd_planner.profile import ProfileError, StepSample, load_profile
 from afd_planner.search import Candidate, Plan, plan
 
@@ -310,7 +310,10 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"afd_plan: --stages must be 1, 2 or 3, got {args.stages}")
     try:
         return args.run(args)
-    except (ProfileError, ValueError, CaptureError) as exc:
+    except CaptureError as exc:
+        print(f"afd_plan: {exc}", file=sys.stderr)
+        return EXIT_CAPTURE_FAILED
+    except (ProfileError, ValueError) as exc:
         raise SystemExit(f"afd_plan: {exc}") from None
 
 

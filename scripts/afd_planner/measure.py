@@ -35,12 +35,13 @@ from typing import Any
 
 from .profile import SCHEMA, VERSION, parse_profile
 
-__all__ = ["GRAPH_CAPTURE_FAILED", "CacheEvictor", "CaptureError", "Grid", "Timer", "Timing", "cuda_graph",
+__all__ = ["EXIT_CAPTURE_FAILED", "CacheEvictor", "CaptureError", "Grid", "Timer", "Timing", "cuda_graph",
            "last_level_cache_bytes", "measure_profile", "read_model_config", "time_call"]
 
 LOAD_FORMATS = ("auto", "dummy", "safetensors")
-# In the error of a sample whose CUDA graph could not be captured (the device run then retries with --eager).
-GRAPH_CAPTURE_FAILED = "in a CUDA graph failed"
+# `afd_plan.py profile`'s exit status when a sample's CUDA graph could not be captured (the device run then
+# retries with --eager); other refusals exit 1.
+EXIT_CAPTURE_FAILED = 3
 # Checkpoint architecture -> what its decoder layer passes to `self_attn` after (positions, hidden_states), as
 # the native `forward`s of vLLM 0.30.0 do (DeepSeek-V2/V3: `llama_4_scaling`, None without Llama-4 scaling).
 SELF_ATTN_EXTRA_ARGS: dict[str, tuple[Any, ...]] = {
@@ -110,7 +111,7 @@ def cuda_graph(fn: Callable[[], Any], warmup: int, what: str) -> Callable[[], An
         with torch.cuda.graph(graph):
             fn()
     except Exception as exc:
-        raise CaptureError(f"profile: capturing {what} {GRAPH_CAPTURE_FAILED} ({type(exc).__name__}: {exc}); "
+        raise CaptureError(f"profile: capturing {what} in a CUDA graph failed ({type(exc).__name__}: {exc}); "
                            "rerun with --eager to time the layers eagerly (launch costs included)") from exc
     return graph.replay
 
@@ -126,8 +127,10 @@ class Timer:
     graphs: bool = False
 
     def __call__(self, fn: Callable[[], Any], what: str) -> Timing:
-        timed = cuda_graph(fn, self.grid.warmup, what) if self.graphs else fn
-        return time_call(timed, self.grid.warmup, self.grid.repeats, self.sync, self.before)
+        if not self.graphs:
+            return time_call(fn, self.grid.warmup, self.grid.repeats, self.sync, self.before)
+        # the eager warm-up happens before the capture; one replay warms the graph itself
+        return time_call(cuda_graph(fn, self.grid.warmup, what), 1, self.grid.repeats, self.sync, self.before)
 
     def describe(self) -> str:
         return "CUDA graph replays" if self.graphs else "eager calls"

@@ -27,7 +27,7 @@ import repo_paths  # noqa: F401 - scripts/ on sys.path (no pip on the device) fo
 import round_records
 import serving
 import stage_prediction
-from afd_planner.measure import GRAPH_CAPTURE_FAILED
+from afd_planner.measure import EXIT_CAPTURE_FAILED
 from run_state import HARNESS, HERE, REPO, Run, guarded
 IMPORT_CHECK = """
 import importlib.metadata as m, json, torch, vllm
@@ -407,7 +407,7 @@ def phase_profile(run: Run) -> dict[str, Any]:
         done = run.run_cmd(argv, env=run.env(), timeout_s=max(30.0, run.time_left() - 15),
                            log_name=f"profile-{arch}")
         timing = "eager" if device == "cpu" or "--eager" in argv else "graphs"
-        if done["rc"] != 0 and GRAPH_CAPTURE_FAILED in done["tail"] and run.time_left() >= 30:
+        if done["rc"] == EXIT_CAPTURE_FAILED and run.time_left() >= 30:
             # one device run is all a session may get: an eager profile (launch costs in) beats none
             timing = f"eager: graph capture failed (profile-{arch}.log)"
             done = run.run_cmd([*argv, "--eager"], env=run.env(), timeout_s=max(30.0, run.time_left() - 15),

@@ -166,6 +166,29 @@ def test_before_runs_untimed_ahead_of_every_timed_call_only():
     assert events == ["call", "call"] + ["before", "call"] * 3
 
 
+def test_a_graph_timer_warms_up_eagerly_before_the_capture_and_replays_once_untimed(monkeypatch):
+    calls = []
+
+    def fake_graph(fn, warmup, what):  # stands in for the capture: CUDA is not on this machine
+        calls.append(("eager warm-up", warmup))
+        return lambda: calls.append("replay")
+
+    monkeypatch.setattr(measure, "cuda_graph", fake_graph)
+    measure.Timer(Grid((1,), (16,), (1,), warmup=5, repeats=3), graphs=True)(lambda: None, "the FFN at T 1")
+    assert calls == [("eager warm-up", 5)] + ["replay"] * 4
+
+
+def test_a_failed_capture_exits_with_its_own_status(monkeypatch, tiny_qwen3_moe, tmp_path, capsys):
+    """The device run retries a model with --eager on this status only, not on any failure's text."""
+    def capture_fails(*args, **kwargs):
+        raise measure.CaptureError("profile: capturing the FFN at T 8 in a CUDA graph failed (RuntimeError: x)")
+
+    monkeypatch.setattr(afd_plan, "measure_profile", capture_fails)
+    code = afd_plan.main(["profile", str(tiny_qwen3_moe), "--out", str(tmp_path / "p.json")])
+    assert code == measure.EXIT_CAPTURE_FAILED != 1
+    assert "in a CUDA graph failed" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(("files", "expected"), [
     ({"index0": "48K", "index2": "1024K", "index3": "32768K"}, 32 << 20),
     ({"index0": "32K", "index1": "2M"}, 2 << 20),

@@ -418,14 +418,14 @@ def test_the_profile_phase_writes_a_profile_per_model_that_comes_back(tmp_path):
 
 def test_a_profile_whose_graph_capture_fails_is_taken_again_eagerly(tmp_path):
     """One device run is all a session may get: a layer that cannot be captured costs the graphs, not the profile."""
-    from afd_planner.measure import GRAPH_CAPTURE_FAILED
+    from afd_planner.measure import EXIT_CAPTURE_FAILED
 
     class CaptureFailsOnce(run_state.Run):
         def run_cmd(self, argv, *, env, timeout_s, log_name):
             self.calls.append((log_name, argv))
             if "--eager" not in argv:
-                tail = f"afd_plan: profile: capturing the FFN at T 8 {GRAPH_CAPTURE_FAILED}"
-                return {"rc": 2, "stdout": "", "tail": tail}
+                tail = "afd_plan: profile: capturing the FFN at T 8 in a CUDA graph failed"
+                return {"rc": EXIT_CAPTURE_FAILED, "stdout": "", "tail": tail}
             Path(argv[argv.index("--out") + 1]).write_text("{}")
             return {"rc": 0, "stdout": "note: ffn T 8: 1.0 ms (1.0..1.0)\n", "tail": ""}
 
@@ -439,6 +439,23 @@ def test_a_profile_whose_graph_capture_fails_is_taken_again_eagerly(tmp_path):
     record = result["models"]["qwen3_moe"]
     assert result["status"] == "ok" and record["timing"] == "eager: graph capture failed (profile-qwen3_moe.log)"
     assert record["notes"] == ["note: ffn T 8: 1.0 ms (1.0..1.0)"]
+
+
+def test_a_profile_that_fails_otherwise_is_not_taken_again(tmp_path):
+    """Only the capture's own exit status asks for --eager: any other failure is reported as it is."""
+    class Fails(run_state.Run):
+        def run_cmd(self, argv, *, env, timeout_s, log_name):
+            self.calls.append(log_name)
+            return {"rc": 1, "stdout": "", "tail": "afd_plan: profile: out of memory (not in a CUDA graph failed)"}
+
+    run = Fails(_parse("--work", str(tmp_path / "w"), "--afd-site", str(tmp_path / "site"),
+                       "--models", "qwen3_moe", out=str(tmp_path / "out")))
+    run.calls, run.models = [], {"qwen3_moe": {"path": str(tmp_path / "model")}}
+
+    result = phases.phase_profile(run)
+
+    assert run.calls == ["profile-qwen3_moe"]
+    assert result["status"] == "failed" and result["models"]["qwen3_moe"]["timing"] == "graphs"
 
 
 def test_subprocesses_find_cute_dsl_packages_that_only_a_pth_file_names(tmp_path):
