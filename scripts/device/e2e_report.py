@@ -260,27 +260,35 @@ def _token_lines(tokens: Mapping[str, Any]) -> list[str]:
             markdown_table(["model", "comparison", "case", "identical", "first divergence (per mismatch)"], rows)]
 
 
-def _rates_by_batch(bench: Mapping[str, Any]):
-    """(model, batch, tok_s, variants) per benched batch; tok_s(variant) is its median tok/s, or None."""
-    for model, result in bench.get("models", {}).items():
-        variants = result.get("variants", {})
-        for batch in result.get("batches", []):
-            def tok_s(name: str, batch: int = batch, variants: dict = variants) -> float | None:
-                entry = variants.get(name, {}).get(str(batch))
-                return entry["tok_s"] if entry else None
-            yield model, batch, tok_s, variants
+def paired_ratio(part: Mapping[str, Any], numerator: str, denominator: str, batch: Any) -> float | None:
+    """numerator ÷ denominator at `batch`: the median of the per-repetition ratios where the bench paired its
+    repetitions (round_records.paired_records), else the two median rates divided (a bench from before)."""
+    cell = (part.get("paired") or {}).get(f"{numerator}/{denominator}", {}).get(str(batch), {})
+    if cell.get("median") is not None:
+        return cell["median"]
+    return ratio(_tok_s(part, numerator, batch), _tok_s(part, denominator, batch))
+
+
+def _tok_s(part: Mapping[str, Any], variant: str, batch: Any) -> float | None:
+    entry = part.get("variants", {}).get(variant, {}).get(str(batch))
+    return entry["tok_s"] if entry else None
+
+
+RATIOS_NOTE = "tok/s: median of repeats; ratios: median of the per-repetition ratios"
 
 
 def _bench_lines(bench: Mapping[str, Any]) -> list[str]:
     rows = []
-    for model, batch, tok_s, _ in _rates_by_batch(bench):
-        rows.append([model, batch, tok_s("plain_eager"), tok_s("plain_graphs"), tok_s("afd_eager"),
-                     ratio(tok_s("afd_eager"), tok_s("plain_eager")),
-                     ratio(tok_s("afd_eager"), tok_s("plain_graphs")),
-                     ratio(tok_s("plain_graphs"), tok_s("plain_eager"))])
+    for model, result in bench.get("models", {}).items():
+        for batch in result.get("batches", []):
+            rows.append([model, batch,
+                         *(_tok_s(result, v, batch) for v in ("plain_eager", "plain_graphs", "afd_eager")),
+                         paired_ratio(result, "afd_eager", "plain_eager", batch),
+                         paired_ratio(result, "afd_eager", "plain_graphs", batch),
+                         paired_ratio(result, "plain_graphs", "plain_eager", batch)])
     if not rows:
         return []
-    return ["### Decode throughput (tok/s, median of repeats; ratios side by side)", "",
+    return [f"### Decode throughput ({RATIOS_NOTE})", "",
             markdown_table(["model", "batch", "plain eager", "plain graphs", "AFD eager (gloo)",
                             "AFD / plain eager", "AFD / plain graphs", "graphs / eager"], rows),
             *_stage_lines(bench), *_prompt_len_lines(bench), *_paired_lines(bench)]
@@ -297,9 +305,6 @@ def _stage_lines(bench: Mapping[str, Any]) -> list[str]:
                 failures.append(f"{model}, {prompt_len} prompt tokens: {predictions['error']}")
                 predictions = {}
             for batch in part.get("batches", []):
-                def tok_s(name: str, batch: int = batch, variants: dict = variants) -> float | None:
-                    entry = variants.get(name, {}).get(str(batch))
-                    return entry["tok_s"] if entry else None
                 for variant in STAGE_VARIANTS:
                     if variant not in variants:
                         continue
@@ -307,13 +312,13 @@ def _stage_lines(bench: Mapping[str, Any]) -> list[str]:
                     plain = "plain_graphs" if "_graphs_" in variant else "plain_eager"
                     cell = predictions.get(variant, {}).get("batches", {}).get(str(batch), {})
                     busy = (cell.get("attention_busy_1_stage"), cell.get("ffn_busy_1_stage"))
-                    rows.append([model, prompt_len, batch, variant, tok_s(variant), tok_s(twin),
-                                 ratio(tok_s(variant), tok_s(twin)), cell.get("predicted"),
-                                 None if None in busy else f"{busy[0]:.2f} / {busy[1]:.2f}",
-                                 tok_s(plain), ratio(tok_s(variant), tok_s(plain))])
+                    rows.append([model, prompt_len, batch, variant, _tok_s(part, variant, batch),
+                                 _tok_s(part, twin, batch), paired_ratio(part, variant, twin, batch),
+                                 cell.get("predicted"), None if None in busy else f"{busy[0]:.2f} / {busy[1]:.2f}",
+                                 _tok_s(part, plain, batch), paired_ratio(part, variant, plain, batch)])
     if not rows:
         return []
-    return ["", "### Micro-batch stages (tok/s, median of repeats; ratios side by side)", "",
+    return ["", f"### Micro-batch stages ({RATIOS_NOTE})", "",
             markdown_table(["model", "prompt tokens", "batch", "variant", "tok/s", "1 stage", "÷ 1 stage",
                             "predicted ÷ 1 stage", "attention / FFN busy (1 stage)", "plain (same mode)", "÷ plain"],
                            rows),
@@ -332,18 +337,15 @@ def _prompt_len_lines(bench: Mapping[str, Any]) -> list[str]:
     rows = []
     for model, result in bench.get("models", {}).items():
         for prompt_len, by_len in result.get("by_prompt_len", {}).items():
-            variants = by_len.get("variants", {})
             per_layer = by_len.get("serving_per_layer_ms_by_variant", {})
             for batch in by_len.get("batches", []):
-                def tok_s(name: str, batch: int = batch, variants: dict = variants) -> float | None:
-                    entry = variants.get(name, {}).get(str(batch))
-                    return entry["tok_s"] if entry else None
-                rows.append([model, prompt_len, batch, tok_s("plain_eager"), tok_s("plain_graphs"),
-                             tok_s("afd_ipc_graphs"), ratio(tok_s("afd_ipc_graphs"), tok_s("plain_graphs")),
+                rows.append([model, prompt_len, batch,
+                             *(_tok_s(by_len, v, batch) for v in ("plain_eager", "plain_graphs", "afd_ipc_graphs")),
+                             paired_ratio(by_len, "afd_ipc_graphs", "plain_graphs", batch),
                              per_layer.get("afd_ipc_graphs", {}).get(str(batch))])
     if not rows:
         return []
-    return ["", "### Decode throughput by prompt length (tok/s; AFD over IPC with graphs)", "",
+    return ["", f"### Decode throughput by prompt length (AFD over IPC with graphs; {RATIOS_NOTE})", "",
             markdown_table(["model", "prompt tokens", "batch", "plain eager", "plain graphs", "AFD IPC graphs",
                             "AFD IPC graphs / plain graphs", "serving ms per crossing layer"], rows)]
 

@@ -50,14 +50,14 @@ def throughput_lines(bench: Mapping[str, Any]) -> list[str]:
         if not set(IPC_VARIANTS) & set(variants):
             continue
         for batch in result.get("batches", []):
-            graphs, eager = tok_s(variants, "afd_ipc_graphs", batch), tok_s(variants, "afd_ipc_eager", batch)
-            rows.append([model, batch, graphs, eager, report.ratio(graphs, tok_s(variants, "plain_graphs", batch)),
-                         report.ratio(graphs, tok_s(variants, "plain_eager", batch)),
-                         report.ratio(eager, tok_s(variants, "afd_eager", batch)),
-                         report.ratio(eager, tok_s(variants, "plain_eager", batch))])
+            rows.append([model, batch, tok_s(variants, "afd_ipc_graphs", batch),
+                         tok_s(variants, "afd_ipc_eager", batch),
+                         *(report.paired_ratio(result, numerator, denominator, batch) for numerator, denominator in (
+                             ("afd_ipc_graphs", "plain_graphs"), ("afd_ipc_graphs", "plain_eager"),
+                             ("afd_ipc_eager", "afd_eager"), ("afd_ipc_eager", "plain_eager")))])
     if not rows:
         return []
-    return ["### AFD over CUDA IPC: decode throughput (tok/s, median of repeats; ratios side by side)", "",
+    return [f"### AFD over CUDA IPC: decode throughput ({report.RATIOS_NOTE})", "",
             report.markdown_table(["model", "batch", "AFD IPC graphs", "AFD IPC eager", "IPC graphs / plain graphs",
                                    "IPC graphs / plain eager", "IPC eager / gloo eager", "IPC eager / plain eager"],
                                   rows)]
@@ -95,12 +95,12 @@ def floor_lines(floor: Mapping[str, Any], bench: Mapping[str, Any]) -> list[str]
 
 
 def _verdict_ratio(result: Mapping[str, Any], numerator: str, denominator: str, batch: int) -> str | None:
+    value = report.paired_ratio(result, numerator, denominator, batch)
     cell = result.get("paired", {}).get(f"{numerator}/{denominator}", {}).get(str(batch), {})
-    if cell.get("median") is not None:
-        return f"{cell['median']:.3g} (per repetition {cell['min']:.3g}–{cell['max']:.3g})"
-    variants = result.get("variants", {})
-    value = report.ratio(tok_s(variants, numerator, batch), tok_s(variants, denominator, batch))
-    return None if value is None else f"{value:.3g}"
+    if value is None:
+        return None
+    spread = f" (per repetition {cell['min']:.3g}–{cell['max']:.3g})" if cell.get("median") is not None else ""
+    return f"{value:.3g}{spread}"
 
 
 def verdict_lines(bench: Mapping[str, Any]) -> list[str]:

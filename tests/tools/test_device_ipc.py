@@ -138,6 +138,14 @@ def test_the_verdict_is_the_median_of_the_paired_repetitions_where_the_bench_pai
         "IPC eager / gloo eager at B=1: 1.6"]
 
 
+def test_the_throughput_table_reads_the_paired_ratios_where_the_bench_paired_them():
+    paired = {"afd_ipc_graphs/plain_graphs": {"1": {"median": 0.914, "min": 0.72, "max": 1.16}}}
+    bench = {"models": {"qwen3_moe": {"batches": [1], "variants": VARIANTS, "paired": paired}}}
+
+    # IPC graphs / plain graphs paired (0.914, not 150 / 300 = 0.5); the others as median ÷ median
+    assert "| qwen3_moe | 1 | 150 | 80 | 0.914 | 1.5 | 1.6 | 0.8 |" in "\n".join(ipc_report.throughput_lines(bench))
+
+
 def test_a_round_without_ipc_renders_no_ipc_block():
     assert ipc_report.markdown_lines({"phases": {"bench": {"models": {"m": {"batches": [1], "variants": {
         "plain_eager": {"1": rate(1.0, 1.0)}}}}}}}) == []

@@ -26,6 +26,7 @@ from hypothesis import strategies as st
 import e2e_report as report
 import gpu_e2e
 import install_overlay
+import ipc_report
 import phases
 import round_records
 import run_state
@@ -699,7 +700,10 @@ def test_the_report_prints_each_per_rep_ratio_with_its_spread_and_halves():
     assert ("| m | 32 | 32 | afd_ipc_graphs ÷ plain_graphs | 0.875 | 0.5–1.1 | 0.875 | 0.8 | 9.4 % | 0.815 | 4/4 |"
             in text)
     assert "| m | 32 | 32 | plain_graphs ÷ plain_eager | 2 | 2–2 | 2 | 2 | 0.0 % | 2 | 4/4 |" in text
-    assert "| m | 32 | 32.5 | 65 | — | — | — | 2 |" in text  # the median-of-rates table stands
+    assert "| m | 32 | 32.5 | 65 | — | — | — | 2 |" in text  # the rates' table: tok/s medians
+    # ...whose ratios are the paired medians: 0.875 and 1.75, not the median rates' 53 / 65 and 53 / 32.5
+    ipc_text = "\n".join(ipc_report.throughput_lines({"models": {"m": bench}}))
+    assert "| m | 32 | 53 | — | 0.875 | 1.75 | — | — |" in ipc_text
 
 
 def test_the_report_of_a_short_bench_prints_dashes_for_missing_halves():
