@@ -47,6 +47,8 @@ AFD_VARIANTS = ("afd_eager", "afd_ipc_eager", "afd_ipc_graphs", *STAGE_VARIANTS)
 PAIRED_RATIOS = (*((v, "plain_graphs") for v in AFD_VARIANTS), *((v, BASELINE) for v in AFD_VARIANTS),
                  ("plain_graphs", BASELINE), ("afd_ipc_eager", "afd_eager"),
                  *((v, v.rsplit("_s", 1)[0]) for v in STAGE_VARIANTS))
+# What the bench tables' columns are (every ratio a paired median: round_records.paired_records).
+RATIOS_NOTE = "tok/s: median of repeats; ratios: median of the per-repetition ratios"
 COMPARISONS = (("afd_eager", BASELINE), ("plain_graphs", BASELINE), ("pristine_eager", BASELINE),
                ("afd_ipc_eager", BASELINE), ("afd_ipc_graphs", BASELINE), ("afd_ipc_graphs", "plain_graphs"),
                *((v, BASELINE) for v in STAGE_VARIANTS), *((v, v.rsplit("_s", 1)[0]) for v in STAGE_VARIANTS))
@@ -266,23 +268,23 @@ def paired_ratio(part: Mapping[str, Any], numerator: str, denominator: str, batc
     cell = (part.get("paired") or {}).get(f"{numerator}/{denominator}", {}).get(str(batch), {})
     if cell.get("median") is not None:
         return cell["median"]
-    return ratio(_tok_s(part, numerator, batch), _tok_s(part, denominator, batch))
+    variants = part.get("variants", {})
+    return ratio(tok_s(variants, numerator, batch), tok_s(variants, denominator, batch))
 
 
-def _tok_s(part: Mapping[str, Any], variant: str, batch: Any) -> float | None:
-    entry = part.get("variants", {}).get(variant, {}).get(str(batch))
+def tok_s(variants: Mapping[str, Any], variant: str, batch: Any) -> float | None:
+    """The variant's median tok/s at `batch` (a bench's `variants`), or None where it has none."""
+    entry = variants.get(variant, {}).get(str(batch))
     return entry["tok_s"] if entry else None
-
-
-RATIOS_NOTE = "tok/s: median of repeats; ratios: median of the per-repetition ratios"
 
 
 def _bench_lines(bench: Mapping[str, Any]) -> list[str]:
     rows = []
     for model, result in bench.get("models", {}).items():
+        variants = result.get("variants", {})
         for batch in result.get("batches", []):
             rows.append([model, batch,
-                         *(_tok_s(result, v, batch) for v in ("plain_eager", "plain_graphs", "afd_eager")),
+                         *(tok_s(variants, v, batch) for v in ("plain_eager", "plain_graphs", "afd_eager")),
                          paired_ratio(result, "afd_eager", "plain_eager", batch),
                          paired_ratio(result, "afd_eager", "plain_graphs", batch),
                          paired_ratio(result, "plain_graphs", "plain_eager", batch)])
@@ -312,10 +314,10 @@ def _stage_lines(bench: Mapping[str, Any]) -> list[str]:
                     plain = "plain_graphs" if "_graphs_" in variant else "plain_eager"
                     cell = predictions.get(variant, {}).get("batches", {}).get(str(batch), {})
                     busy = (cell.get("attention_busy_1_stage"), cell.get("ffn_busy_1_stage"))
-                    rows.append([model, prompt_len, batch, variant, _tok_s(part, variant, batch),
-                                 _tok_s(part, twin, batch), paired_ratio(part, variant, twin, batch),
+                    rows.append([model, prompt_len, batch, variant, tok_s(variants, variant, batch),
+                                 tok_s(variants, twin, batch), paired_ratio(part, variant, twin, batch),
                                  cell.get("predicted"), None if None in busy else f"{busy[0]:.2f} / {busy[1]:.2f}",
-                                 _tok_s(part, plain, batch), paired_ratio(part, variant, plain, batch)])
+                                 tok_s(variants, plain, batch), paired_ratio(part, variant, plain, batch)])
     if not rows:
         return []
     return ["", f"### Micro-batch stages ({RATIOS_NOTE})", "",
@@ -337,10 +339,10 @@ def _prompt_len_lines(bench: Mapping[str, Any]) -> list[str]:
     rows = []
     for model, result in bench.get("models", {}).items():
         for prompt_len, by_len in result.get("by_prompt_len", {}).items():
-            per_layer = by_len.get("serving_per_layer_ms_by_variant", {})
+            variants, per_layer = by_len.get("variants", {}), by_len.get("serving_per_layer_ms_by_variant", {})
             for batch in by_len.get("batches", []):
                 rows.append([model, prompt_len, batch,
-                             *(_tok_s(by_len, v, batch) for v in ("plain_eager", "plain_graphs", "afd_ipc_graphs")),
+                             *(tok_s(variants, v, batch) for v in ("plain_eager", "plain_graphs", "afd_ipc_graphs")),
                              paired_ratio(by_len, "afd_ipc_graphs", "plain_graphs", batch),
                              per_layer.get("afd_ipc_graphs", {}).get(str(batch))])
     if not rows:

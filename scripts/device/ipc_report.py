@@ -22,11 +22,6 @@ SERVING_BASELINES = {"afd_eager": "plain_eager", "afd_ipc_eager": "plain_eager",
 FLOOR_MODES = {"afd_ipc_eager": "raw_eager_ms", "afd_ipc_graphs": "raw_graph_ms"}
 
 
-def tok_s(variants: Mapping[str, Any], name: str, batch: Any) -> float | None:
-    entry = variants.get(name, {}).get(str(batch))
-    return entry["tok_s"] if entry else None
-
-
 def per_layer_by_variant(variants: Mapping[str, Any], batches: Sequence[int],
                          num_layers: int) -> dict[str, dict[str, float | None]]:
     """(TPOT AFD - TPOT of its plain baseline) / crossing layers, per AFD variant and batch."""
@@ -50,8 +45,8 @@ def throughput_lines(bench: Mapping[str, Any]) -> list[str]:
         if not set(IPC_VARIANTS) & set(variants):
             continue
         for batch in result.get("batches", []):
-            rows.append([model, batch, tok_s(variants, "afd_ipc_graphs", batch),
-                         tok_s(variants, "afd_ipc_eager", batch),
+            rows.append([model, batch, report.tok_s(variants, "afd_ipc_graphs", batch),
+                         report.tok_s(variants, "afd_ipc_eager", batch),
                          *(report.paired_ratio(result, numerator, denominator, batch) for numerator, denominator in (
                              ("afd_ipc_graphs", "plain_graphs"), ("afd_ipc_graphs", "plain_eager"),
                              ("afd_ipc_eager", "afd_eager"), ("afd_ipc_eager", "plain_eager")))])

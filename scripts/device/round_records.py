@@ -78,8 +78,8 @@ def paired_records(part: Mapping[str, Any]) -> dict[str, dict[str, dict[str, Any
                 "halves_differ": _number(relative_gap(first, second)),
                 "num_paired": len(cell.ratios), "num_missing": cell.missing,
                 "ratios": [n / d if n is not None and d is not None else None for n, d in zip(above, below)],
-                "median_of_rates": report.ratio(ipc_report.tok_s(variants, numerator, batch),
-                                                ipc_report.tok_s(variants, denominator, batch))}
+                "median_of_rates": report.ratio(report.tok_s(variants, numerator, batch),
+                                                report.tok_s(variants, denominator, batch))}
         records[f"{numerator}/{denominator}"] = cells
     return records
 
