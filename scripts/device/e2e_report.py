@@ -265,11 +265,16 @@ def _token_lines(tokens: Mapping[str, Any]) -> list[str]:
 def paired_ratio(part: Mapping[str, Any], numerator: str, denominator: str, batch: Any) -> float | None:
     """numerator ÷ denominator at `batch`: the median of the per-repetition ratios where the bench paired its
     repetitions (round_records.paired_records), else the two median rates divided (a bench from before)."""
-    cell = (part.get("paired") or {}).get(f"{numerator}/{denominator}", {}).get(str(batch), {})
+    cell = paired_cell(part, numerator, denominator, batch)
     if cell.get("median") is not None:
         return cell["median"]
     variants = part.get("variants", {})
     return ratio(tok_s(variants, numerator, batch), tok_s(variants, denominator, batch))
+
+
+def paired_cell(part: Mapping[str, Any], numerator: str, denominator: str, batch: Any) -> Mapping[str, Any]:
+    """The bench's per-repetition record of numerator ÷ denominator at `batch` (empty where it has none)."""
+    return (part.get("paired") or {}).get(f"{numerator}/{denominator}", {}).get(str(batch), {})
 
 
 def tok_s(variants: Mapping[str, Any], variant: str, batch: Any) -> float | None:

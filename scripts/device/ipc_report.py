@@ -91,7 +91,7 @@ def floor_lines(floor: Mapping[str, Any], bench: Mapping[str, Any]) -> list[str]
 
 def _verdict_ratio(result: Mapping[str, Any], numerator: str, denominator: str, batch: int) -> str | None:
     value = report.paired_ratio(result, numerator, denominator, batch)
-    cell = result.get("paired", {}).get(f"{numerator}/{denominator}", {}).get(str(batch), {})
+    cell = report.paired_cell(result, numerator, denominator, batch)
     if value is None:
         return None
     spread = f" (per repetition {cell['min']:.3g}–{cell['max']:.3g})" if cell.get("median") is not None else ""
