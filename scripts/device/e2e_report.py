@@ -263,11 +263,11 @@ def _token_lines(tokens: Mapping[str, Any]) -> list[str]:
 
 
 def paired_ratio(part: Mapping[str, Any], numerator: str, denominator: str, batch: Any) -> float | None:
-    """numerator ÷ denominator at `batch`: the median of the per-repetition ratios where the bench paired its
-    repetitions (round_records.paired_records), else the two median rates divided (a bench from before)."""
-    cell = paired_cell(part, numerator, denominator, batch)
-    if cell.get("median") is not None:
-        return cell["median"]
+    """numerator ÷ denominator at `batch`: the median of the per-repetition ratios where the bench paired this
+    ratio's repetitions (round_records.paired_records; None where no repetition paired), else the two median
+    rates divided (a ratio outside report.PAIRED_RATIOS, or a bench recorded before the pairing)."""
+    if f"{numerator}/{denominator}" in (part.get("paired") or {}):
+        return paired_cell(part, numerator, denominator, batch).get("median")
     variants = part.get("variants", {})
     return ratio(tok_s(variants, numerator, batch), tok_s(variants, denominator, batch))
 

@@ -146,6 +146,17 @@ def test_the_throughput_table_reads_the_paired_ratios_where_the_bench_paired_the
     assert "| qwen3_moe | 1 | 150 | 80 | 0.914 | 1.5 | 1.6 | 0.8 |" in "\n".join(ipc_report.throughput_lines(bench))
 
 
+def test_a_paired_ratio_without_a_paired_repetition_reads_none_not_the_median_rates():
+    import e2e_report
+
+    paired = {"afd_ipc_graphs/plain_graphs": {"1": {"median": None, "num_paired": 0, "num_missing": 3}}}
+    bench = {"batches": [1], "variants": VARIANTS, "paired": paired}
+
+    assert e2e_report.paired_ratio(bench, "afd_ipc_graphs", "plain_graphs", 1) is None
+    # a ratio the bench does not pair still reads median ÷ median
+    assert e2e_report.paired_ratio(bench, "afd_ipc_eager", "afd_eager", 1) == 1.6
+
+
 def test_a_round_without_ipc_renders_no_ipc_block():
     assert ipc_report.markdown_lines({"phases": {"bench": {"models": {"m": {"batches": [1], "variants": {
         "plain_eager": {"1": rate(1.0, 1.0)}}}}}}}) == []
