@@ -188,6 +188,8 @@ def check_measure_args(args: argparse.Namespace) -> tuple[Grid, int | None]:
                 tokens=_sizes(args.tokens, "tokens", 1), warmup=args.warmup, repeats=args.repeats)
     if args.warmup < 0 or args.repeats < 1:
         raise SystemExit(f"afd_plan: --warmup must be >= 0 and --repeats >= 1, got {args.warmup} and {args.repeats}")
+    if args.device_gib is not None and not args.device_gib > 0:
+        raise SystemExit(f"afd_plan: --device-gib must be a positive number of GiB, got {args.device_gib}")
     try:
         config = read_model_config(args.model_dir)
     except ValueError as exc:
@@ -220,7 +222,8 @@ def check_measure_args(args: argparse.Namespace) -> tuple[Grid, int | None]:
 def cmd_measure(args: argparse.Namespace) -> int:
     grid, layers = check_measure_args(args)
     body, notes = measure_profile(args.model_dir, grid, device=args.device, load_format=args.load_format,
-                                  num_layers=layers, transport=args.transport, eager=args.eager)
+                                  num_layers=layers, transport=args.transport, eager=args.eager,
+                                  device_gib=args.device_gib)
     if args.device_name:
         body["device"] = args.device_name
     args.out.write_text(json.dumps(body, indent=1) + "\n", encoding="utf-8")
@@ -286,6 +289,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--eager", action="store_true",
                    help="cuda: time eager calls (launch costs included) instead of each sample's CUDA graph replay")
     p.add_argument("--device-name", help="the profile's device text (default: what was measured on)")
+    p.add_argument("--device-gib", type=float,
+                   help="memory of the device to plan for: writes the profile's memory block (the model's weights and "
+                        "KV bytes per token, counted from the built layers); default on cuda: GPU 0's, on cpu: none")
     p.set_defaults(run=cmd_measure)
 
     p = sub.add_parser("profile-from-timeline", help="a PROFILE.json from timeline files (docs/timeline.md)")

@@ -25,10 +25,11 @@ reads), and a layer called back to back would read them from the cache instead.
 from __future__ import annotations
 
 import json
+import re
 import socket
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -240,8 +241,9 @@ def _init_world(config: Any, device: str) -> None:
         ensure_model_parallel_initialized(1, 1)
 
 
-def _load(config: Any, device: Any) -> Any:
-    """The half `config` names, built and loaded by vLLM's default loader (strict: every parameter filled)."""
+def _load(config: Any, device: Any) -> tuple[Any, dict[str, int]]:
+    """(the half `config` names, built and loaded by vLLM's default loader (strict: every parameter filled); its
+    parameters' bytes as loaded, by name: before the device's kernels repack them, as the CPU's do)."""
     import torch
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader import get_model_loader
@@ -251,8 +253,9 @@ def _load(config: Any, device: Any) -> Any:
     with set_current_vllm_config(config), set_default_torch_dtype(config.model_config.dtype), torch.device(device):
         model = initialize_model(vllm_config=config)
         get_model_loader(config.load_config).load_weights(model, config.model_config)
+        loaded = {name: p.numel() * p.element_size() for name, p in model.named_parameters()}
         process_weights_after_loading(model, config.model_config, torch.device(device))
-    return model.eval()
+    return model.eval(), loaded
 
 
 # ---- the samples ----------------------------------------------------------------------------------------
@@ -380,14 +383,52 @@ def control_payload_ms(batch: int, grid: Grid) -> Timing:
     return time_call(round_trip, max(grid.warmup, 10), max(grid.repeats, 100))
 
 
+ROUTED_EXPERT_PARAMS = ("w13_", "w2_")  # the fused MoE's stacked expert tensors (weights, biases, scales) in vLLM
+
+
+def memory_block(param_bytes: Mapping[str, int], kv_bytes_per_layer: int, built_moe: Sequence[int],
+                 full_moe: Sequence[int], full_layers: int, device_gib: float) -> tuple[dict[str, Any] | None, str]:
+    """(the profile's `memory` for the whole model, a note) from the built halves' parameters as loaded (name ->
+    bytes, both halves): each built layer's weights by kind (a dense layer; a MoE layer, its routed experts apart)
+    multiplied out to the model's layer count, plus what sits outside the layers (embedding, head).  None where a
+    layer kind of the model was not built (a dense layer after the first MoE one)."""
+    per_layer: dict[int, int] = {}
+    routed: dict[int, int] = {}
+    outside = 0
+    for name, size in param_bytes.items():
+        found = re.match(r"model\.layers\.(\d+)\.", name)
+        if not found:
+            outside += size
+            continue
+        layer = int(found[1])
+        per_layer[layer] = per_layer.get(layer, 0) + size
+        if name.rpartition(".")[2].startswith(ROUTED_EXPERT_PARAMS):
+            routed[layer] = routed.get(layer, 0) + size
+    dense_built = sorted(set(per_layer) - set(built_moe))
+    num_dense = full_layers - len(full_moe)
+    if num_dense and not dense_built:
+        return None, "memory not estimated: the model's dense layers were not built (raise --layers past one)"
+    moe = built_moe[0]
+    dense_bytes = outside + len(full_moe) * (per_layer[moe] - routed.get(moe, 0))
+    if num_dense:
+        dense_bytes += num_dense * per_layer[dense_built[-1]]
+    block = {"device_gib": round(device_gib, 1), "dense_weights_gib": round(dense_bytes / 2**30, 6),
+             "expert_weights_gib": round(len(full_moe) * routed.get(moe, 0) / 2**30, 6),
+             "kv_bytes_per_token": full_layers * kv_bytes_per_layer, "utilization": 0.9}
+    return block, (f"memory: {block['dense_weights_gib']} GiB dense, {block['expert_weights_gib']} GiB routed experts "
+                   f"({len(full_moe)} MoE of {full_layers} layers), {block['kv_bytes_per_token']} KV bytes per token; "
+                   f"device {block['device_gib']} GiB")
+
+
 def measure_profile(model_dir: Path, grid: Grid, *, device: str = "cpu", load_format: str = "auto",
                     num_layers: int | None = None, transport: bool = True, cold_cache: bool = True,
-                    eager: bool = False) -> tuple[dict[str, Any], list[str]]:
+                    eager: bool = False, device_gib: float | None = None) -> tuple[dict[str, Any], list[str]]:
     """(the profile as JSON, per-sample notes with their spread); the profile passes `parse_profile`.
 
     `cold_cache` (CPU only): evict the caches before every timed call, as the engine's layers find them; False
     times a layer called back to back (its weights cached: the isolated layer's best case).  On CUDA every sample
-    is a CUDA graph's replay unless `eager` (then the eager launch costs are in every sample)."""
+    is a CUDA graph's replay unless `eager` (then the eager launch costs are in every sample).  The `memory` block
+    (docs/planner.md#memory) is written for a device of `device_gib` (default on CUDA: GPU 0's; on CPU: none)."""
     import torch
 
     from vllm_afd.models import register_afd_models
@@ -417,7 +458,8 @@ def measure_profile(model_dir: Path, grid: Grid, *, device: str = "cpu", load_fo
         from vllm.v1.worker.workspace import init_workspace_manager
 
         init_workspace_manager(where)  # the fused MoE's scratch, as vLLM's GPU worker sets it up before the model
-    attention_model, ffn_model = _load(configs["attention"], where), _load(configs["ffn"], where)
+    attention_model, attention_bytes = _load(configs["attention"], where)
+    ffn_model, ffn_bytes = _load(configs["ffn"], where)
     num_experts = num_routed_experts(hf)
     evict = CacheEvictor() if cold_cache and device == "cpu" else None
     timer = Timer(grid, sync, evict or _nothing, graphs=device == "cuda" and not eager)
@@ -426,6 +468,18 @@ def measure_profile(model_dir: Path, grid: Grid, *, device: str = "cpu", load_fo
     ffn, ffn_notes = _ffn_samples(ffn_model, configs["ffn"], moe[0], grid, num_experts, where, timer)
     step, step_notes = _step_samples(attention_model, configs["attention"], grid, where, timer)
     notes += ffn_notes + step_notes
+    if device == "cuda" and device_gib is None:
+        device_gib = torch.cuda.get_device_properties(0).total_memory / 2**30
+    memory = None
+    if device_gib is not None:
+        from transformers import AutoConfig
+
+        spec = _attention_module(attention_model.model.layers[moe[0]].self_attn).get_kv_cache_spec(
+            configs["attention"])
+        full_moe = moe_layer_indices(AutoConfig.from_pretrained(model_dir), architecture)
+        memory, memory_note = memory_block(attention_bytes | ffn_bytes, spec.page_size_bytes // spec.block_size,
+                                           moe, full_moe, full_layers, device_gib)
+        notes.append(memory_note)
     dtype = configs["ffn"].model_config.dtype
     model = {"name": Path(model_dir).name, "hidden_size": hf.hidden_size, "num_layers": full_layers,
              "num_experts": num_experts, "top_k": hf.num_experts_per_tok, "dtype_bytes": dtype.itemsize}
@@ -447,6 +501,8 @@ def measure_profile(model_dir: Path, grid: Grid, *, device: str = "cpu", load_fo
                       f"{grid.warmup} warm-up; {cache_text})",
             "model": model, "attention": attention, "ffn": ffn, "transport": wire, "step": step,
             "afd_step_extra_ms": round(extra, 4)}
+    if memory is not None:
+        body["memory"] = memory
     if not wire:
         body["transport"] = [{"bytes": 0, "ms": 0.0}]
         notes.append("transport not measured (--no-transport): one 0 ms sample; plan with --link")

@@ -38,7 +38,8 @@ def measured(tiny_qwen3_moe, tmp_path_factory) -> tuple[Path, str]:
     out = tmp_path_factory.mktemp("plan_measure_out") / "profile.json"
     command = [sys.executable, str(Path(afd_plan.__file__)), "profile", str(tiny_qwen3_moe), "--layers", "first-moe",
                "--batches", ",".join(map(str, BATCHES)), "--contexts", ",".join(map(str, CONTEXTS)),
-               "--tokens", ",".join(map(str, TOKENS)), "--warmup", "1", "--repeats", "2", "--out", str(out)]
+               "--tokens", ",".join(map(str, TOKENS)), "--warmup", "1", "--repeats", "2", "--device-gib", "24",
+               "--out", str(out)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     return out, done.stdout
@@ -67,7 +68,7 @@ def test_every_sample_of_the_grid_is_there_positive_and_in_order(measured):
 
 
 def test_each_sample_is_reported_with_its_spread(measured):
-    notes = [line for line in measured[1].splitlines() if line.startswith("note: ")]
+    notes = [line for line in measured[1].splitlines() if line.startswith("note: ") and "note: memory" not in line]
     assert len(notes) == len(BATCHES) * len(CONTEXTS) + len(TOKENS) + 2 * len(BATCHES) + 2
     assert all(" ms (" in line and ".." in line for line in notes)
 
@@ -76,6 +77,35 @@ def test_the_planner_reads_the_measured_profile(measured, capsys):
     assert afd_plan.main(["predict", str(measured[0]), "--attention-ranks", "1", "--ffn-ranks", "1",
                           "--stages", "2", "--batch", "4", "--context", "16"]) == 0
     assert capsys.readouterr().out.startswith("step ")
+
+
+def test_the_memory_block_counts_the_whole_models_weights_from_the_built_layers(measured):
+    """Layer 0 dense (MLP 3·128·128), layers 1–2 MoE (8 experts of 3·128·64, gate 128·8), attention q/k/v/o of
+    4 heads and 2 KV heads of 64, norms, embedding and head of the 512-token vocabulary; bf16.  Two of the three
+    layers are built: the second MoE layer is counted from the first."""
+    memory = load_profile(measured[0]).memory
+    attention = 128 * 256 + 2 * 128 * 128 + 256 * 128 + 2 * 64 + 2 * 128  # q, k, v, o, q/k norms, two layer norms
+    dense = 2 * 512 * 128 + 128 + 3 * attention + 3 * 128 * 128 + 2 * 128 * 8  # embed, head, final norm, MLP, gates
+    assert memory.expert_weights_gib == pytest.approx(2 * 8 * 3 * 128 * 64 * 2 / 2**30, abs=1e-6)
+    assert memory.dense_weights_gib == pytest.approx(dense * 2 / 2**30, abs=1e-6)
+    assert memory.kv_bytes_per_token == 3 * 2 * 2 * 64 * 2  # layers x (K, V) x KV heads x head size x bf16
+    assert (memory.device_gib, memory.utilization) == (24.0, 0.9)
+    assert "note: memory: " in measured[1]
+
+
+def test_a_model_whose_dense_layers_were_not_built_gets_no_memory_block():
+    # layers 0 MoE, 1 dense (mlp_only_layers after the first MoE one): built through the first MoE layer only
+    block, note = measure.memory_block({"model.layers.0.mlp.experts.w13_weight": 10}, 4, [0], [0], 2, 80.0)
+    assert block is None and "dense layers were not built" in note
+
+
+def test_the_routed_experts_are_the_fused_stacks_and_the_rest_is_dense():
+    loaded = {"model.embed_tokens.weight": 2**30, "model.layers.0.mlp.experts.w13_weight": 2 * 2**30,
+              "model.layers.0.mlp.experts.w2_weight_scale": 2**30, "model.layers.0.mlp.shared_experts.w": 2**30,
+              "model.layers.0.self_attn.o_proj.weight": 2**30}
+    block, _ = measure.memory_block(loaded, 1000, [0], [0, 1, 2], 3, 79.2)
+    assert block == {"device_gib": 79.2, "dense_weights_gib": 1 + 3 * 2, "expert_weights_gib": 3 * 3,
+                     "kv_bytes_per_token": 3000, "utilization": 0.9}
 
 
 def test_deepseek_mla_is_measured_through_its_mla_attention(tmp_path):
@@ -113,6 +143,7 @@ def nothing_built(monkeypatch):
     (["--layers", "4"], r"--layers must be 1..3 \(the model's layers\), got 4"),
     (["--repeats", "0"], "--warmup must be >= 0 and --repeats >= 1"),
     (["--eager"], r"--eager is for --device cuda \(CPU samples are always eager calls\)"),
+    (["--device-gib", "0"], "--device-gib must be a positive number of GiB, got 0.0"),
 ])
 def test_a_bad_grid_or_layer_count_is_refused(nothing_built, tiny_qwen3_moe, tmp_path, extra, message):
     with pytest.raises(SystemExit, match=message):
