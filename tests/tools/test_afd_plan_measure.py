@@ -117,12 +117,15 @@ def test_deepseek_mla_is_measured_through_its_mla_attention(tmp_path):
     out = tmp_path / "profile.json"
     command = [sys.executable, str(Path(afd_plan.__file__)), "profile", str(model), "--layers", "first-moe",
                "--batches", "1,4", "--contexts", "16", "--tokens", "1", "--warmup", "0", "--repeats", "1",
-               "--no-transport", "--out", str(out)]
+               "--no-transport", "--device-gib", "1", "--out", str(out)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     profile = load_profile(out)
     assert [(s.context, s.batch) for s in profile.attention] == [(16, 1), (16, 4)]
     assert all(s.ms > 0 for s in profile.attention)
+    # one latent per token and layer (kv_lora_rank 512 + qk_rope 64, bf16); two MoE layers of 8 routed experts
+    assert profile.memory.kv_bytes_per_token == 3 * (512 + 64) * 2
+    assert profile.memory.expert_weights_gib == pytest.approx(2 * 8 * 3 * 128 * 64 * 2 / 2**30, abs=1e-6)
 
 
 # --- bad arguments: refused before anything is built ---
