@@ -383,6 +383,15 @@ def control_payload_ms(batch: int, grid: Grid) -> Timing:
     return time_call(round_trip, max(grid.warmup, 10), max(grid.repeats, 100))
 
 
+def _full_moe_layers(model_dir: Path, architecture: str) -> list[int]:
+    """The MoE layer indices of the whole model (config.json's layer count, not the built one)."""
+    from transformers import AutoConfig
+
+    from vllm_afd.models.split import moe_layer_indices
+
+    return moe_layer_indices(AutoConfig.from_pretrained(model_dir), architecture)
+
+
 ROUTED_EXPERT_PARAMS = ("w13_", "w2_")  # the fused MoE's stacked expert tensors (weights, biases, scales) in vLLM
 
 
@@ -414,7 +423,7 @@ def memory_block(param_bytes: Mapping[str, int], kv_bytes_per_layer: int, built_
         dense_bytes += num_dense * per_layer[dense_built[-1]]
     block = {"device_gib": round(device_gib, 1), "dense_weights_gib": round(dense_bytes / 2**30, 6),
              "expert_weights_gib": round(len(full_moe) * routed.get(moe, 0) / 2**30, 6),
-             "kv_bytes_per_token": full_layers * kv_bytes_per_layer, "utilization": 0.9}
+             "kv_bytes_per_token": full_layers * kv_bytes_per_layer}  # utilization: the schema's default
     return block, (f"memory: {block['dense_weights_gib']} GiB dense, {block['expert_weights_gib']} GiB routed experts "
                    f"({len(full_moe)} MoE of {full_layers} layers), {block['kv_bytes_per_token']} KV bytes per token; "
                    f"device {block['device_gib']} GiB")
@@ -472,13 +481,10 @@ def measure_profile(model_dir: Path, grid: Grid, *, device: str = "cpu", load_fo
         device_gib = torch.cuda.get_device_properties(0).total_memory / 2**30
     memory = None
     if device_gib is not None:
-        from transformers import AutoConfig
-
         spec = _attention_module(attention_model.model.layers[moe[0]].self_attn).get_kv_cache_spec(
             configs["attention"])
-        full_moe = moe_layer_indices(AutoConfig.from_pretrained(model_dir), architecture)
         memory, memory_note = memory_block(attention_bytes | ffn_bytes, spec.page_size_bytes // spec.block_size,
-                                           moe, full_moe, full_layers, device_gib)
+                                           moe, _full_moe_layers(model_dir, architecture), full_layers, device_gib)
         notes.append(memory_note)
     dtype = configs["ffn"].model_config.dtype
     model = {"name": Path(model_dir).name, "hidden_size": hf.hidden_size, "num_layers": full_layers,

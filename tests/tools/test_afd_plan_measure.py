@@ -105,7 +105,7 @@ def test_the_routed_experts_are_the_fused_stacks_and_the_rest_is_dense():
               "model.layers.0.self_attn.o_proj.weight": 2**30}
     block, _ = measure.memory_block(loaded, 1000, [0], [0, 1, 2], 3, 79.2)
     assert block == {"device_gib": 79.2, "dense_weights_gib": 1 + 3 * 2, "expert_weights_gib": 3 * 3,
-                     "kv_bytes_per_token": 3000, "utilization": 0.9}
+                     "kv_bytes_per_token": 3000}
 
 
 def test_deepseek_mla_is_measured_through_its_mla_attention(tmp_path):
