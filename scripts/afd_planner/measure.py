@@ -183,14 +183,19 @@ def read_model_config(model_dir: Path) -> dict[str, Any]:
     return config
 
 
-def layers_through_first_moe(model_dir: Path) -> int:
-    """How many layers to build so that the last one is the model's first MoE layer (the one measured)."""
+def full_moe_layers(model_dir: Path) -> list[int]:
+    """The MoE layer indices of the whole model (config.json's layer count, not a built one's)."""
     from transformers import AutoConfig
 
     from vllm_afd.models.split import check_architecture, moe_layer_indices
 
     hf = AutoConfig.from_pretrained(model_dir)
-    moe = moe_layer_indices(hf, check_architecture((hf.architectures or ["(none)"])[0]))
+    return moe_layer_indices(hf, check_architecture((hf.architectures or ["(none)"])[0]))
+
+
+def layers_through_first_moe(model_dir: Path) -> int:
+    """How many layers to build so that the last one is the model's first MoE layer (the one measured)."""
+    moe = full_moe_layers(model_dir)
     if not moe:
         raise ValueError(f"profile: {model_dir} holds no MoE layer; AFD splits MoE models only")
     return moe[0] + 1
@@ -383,15 +388,6 @@ def control_payload_ms(batch: int, grid: Grid) -> Timing:
     return time_call(round_trip, max(grid.warmup, 10), max(grid.repeats, 100))
 
 
-def _full_moe_layers(model_dir: Path, architecture: str) -> list[int]:
-    """The MoE layer indices of the whole model (config.json's layer count, not the built one)."""
-    from transformers import AutoConfig
-
-    from vllm_afd.models.split import moe_layer_indices
-
-    return moe_layer_indices(AutoConfig.from_pretrained(model_dir), architecture)
-
-
 ROUTED_EXPERT_PARAMS = ("w13_", "w2_")  # the fused MoE's stacked expert tensors (weights, biases, scales) in vLLM
 
 
@@ -484,7 +480,7 @@ def measure_profile(model_dir: Path, grid: Grid, *, device: str = "cpu", load_fo
         spec = _attention_module(attention_model.model.layers[moe[0]].self_attn).get_kv_cache_spec(
             configs["attention"])
         memory, memory_note = memory_block(attention_bytes | ffn_bytes, spec.page_size_bytes // spec.block_size,
-                                           moe, _full_moe_layers(model_dir, architecture), full_layers, device_gib)
+                                           moe, full_moe_layers(model_dir), full_layers, device_gib)
         notes.append(memory_note)
     dtype = configs["ffn"].model_config.dtype
     model = {"name": Path(model_dir).name, "hidden_size": hf.hidden_size, "num_layers": full_layers,
