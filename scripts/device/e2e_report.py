@@ -298,7 +298,8 @@ def _bench_lines(bench: Mapping[str, Any]) -> list[str]:
     return [f"### Decode throughput ({RATIOS_NOTE})", "",
             markdown_table(["model", "batch", "plain eager", "plain graphs", "AFD eager (gloo)",
                             "AFD / plain eager", "AFD / plain graphs", "graphs / eager"], rows),
-            *_stage_lines(bench), *_prompt_len_lines(bench), *_paired_lines(bench)]
+            *_stage_lines(bench), *_prompt_len_lines(bench), *_paired_lines(bench),
+            *_spread_lines(bench)]
 
 
 def _stage_lines(bench: Mapping[str, Any]) -> list[str]:
@@ -382,6 +383,23 @@ def _paired_lines(bench: Mapping[str, Any]) -> list[str]:
             "of the repetitions in time (a middle one in neither), whose gap is what a second run of half the "
             "length could show; median ÷ median: the median rates divided (the tables above); reps paired: "
             "repetitions where both variants had a rate, of those recorded."]
+
+
+def _spread_lines(bench: Mapping[str, Any]) -> list[str]:
+    """One server's rate between repetitions (round_records.rate_spread), a row per (model, prompt length,
+    variant, batch)."""
+    rows = []
+    for model, result in bench.get("models", {}).items():
+        for prompt_len, part in (result.get("by_prompt_len") or {result.get("prompt_len"): result}).items():
+            for variant, by_batch in (part.get("rate_spread") or {}).items():
+                for batch, cell in by_batch.items():
+                    rows.append([model, prompt_len, batch, variant, cell["num_reps"], f"{cell['cv']:.3f}",
+                                 f"{cell['slowest']:.2f}", f"{cell['fastest']:.2f}"])
+    if not rows:
+        return []
+    return ["", "### Each server's rate between repetitions", "",
+            markdown_table(["model", "prompt tokens", "batch", "variant", "reps", "coefficient of variation",
+                            "slowest ÷ median", "fastest ÷ median"], rows)]
 
 
 def _rtt_lines(rtt: Mapping[str, Any], bench: Mapping[str, Any]) -> list[str]:

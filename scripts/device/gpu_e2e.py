@@ -35,6 +35,7 @@ CLI and the sequence; each phase lives in phases.py, the `Run` they share in run
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import time
@@ -142,6 +143,9 @@ def build_parser() -> argparse.ArgumentParser:
     add("--bench-prefix-caching", action="store_true",
         help="keep vLLM's prefix caching on in runs with the bench phase (by default those rounds' servers get "
              "--no-enable-prefix-caching, so both requests of a sample compute their whole prefill)")
+    add("--pin-servers", action="store_true",
+        help="CUDA rounds: every server on two cores of its own (taskset), this script and the bench's requests on "
+             "the cores left; refused where the round's servers need more cores than there are")
     add("--rtt-shapes", default="1x128,32x128,1x2048,64x2048,256x2048")
     add("--rtt-steps", type=int, default=100)
     add("--ipc-floor-shapes", default="1x128,32x128,1x2048,256x2048", help="ROWSxHIDDEN of the ipcfloor phase")
@@ -167,10 +171,19 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
     if args.platform == "cpu":  # a smoke run of this script: nothing that needs CUDA
         args.variants = [v for v in args.variants if v not in CUDA_ONLY]
         args.phases = [p for p in args.phases if p != "ipcfloor"]
+    if args.pin_servers and args.platform == "cpu":
+        parser.error("--pin-servers is for CUDA rounds; a CPU round binds each role's threads to a core already "
+                     "(VLLM_CPU_OMP_THREADS_BIND): drop it")
     bad = sorted(set(args.variants) - set(VARIANTS) - set(STAGE_VARIANTS))
     if bad or "plain_eager" not in args.variants:
         parser.error(f"--variants: {bad or args.variants} invalid; expected plain_eager plus any of "
                      f"{', '.join(VARIANTS[1:] + STAGE_VARIANTS)} (plain_eager is the baseline of every comparison)")
+    num_servers = sum(2 if v in phases.serving.AFD_VARIANTS else 1 for v in args.variants)
+    needed = phases.serving.CORES_PER_SERVER * num_servers + 1
+    if args.pin_servers and needed > len(os.sched_getaffinity(0)):
+        parser.error(f"--pin-servers: {num_servers} servers need {needed} cores ({phases.serving.CORES_PER_SERVER} "
+                     f"each, one for the client), this process may run on {len(os.sched_getaffinity(0))}; "
+                     "serve fewer --variants")
     if max(args.bench_batches) > args.max_num_seqs:
         parser.error(f"--bench-batches {max(args.bench_batches)} exceeds --max-num-seqs {args.max_num_seqs}; "
                      "raise --max-num-seqs or lower the batch")

@@ -247,6 +247,11 @@ def serve_round(run: Run, arch: str, variants: list[str], *, do_tokens: bool, do
     specs = serving.server_specs(variants, settings, afd_port=ports, cpu_env=cpu_env)
     startup_timeout = max(30.0, min(args.startup_timeout_s, run.time_left() - 60))
     result: dict[str, Any] = {"variants": variants}
+    own_cores = os.sched_getaffinity(0)
+    if args.pin_servers:
+        specs, client_cores = serving.pin_cores(specs, sorted(own_cores))
+        os.sched_setaffinity(0, client_cores)  # the bench's requests and this script: the cores left over
+        result["cores"] = {**{spec.name: list(spec.cores) for spec in specs}, "client": list(client_cores)}
     servers, infos = serving.start_servers(specs, Path(model["path"]), base_env=env, logs_dir=run.logs_dir,
                                            prefix=prefix, launcher=args.launcher, startup_timeout_s=startup_timeout,
                                            on_spawn=run.register_server)
@@ -275,6 +280,7 @@ def serve_round(run: Run, arch: str, variants: list[str], *, do_tokens: bool, do
         # reports its lost attention peer by design), so tracebacks are counted for both spans.
         serving_sizes = {name: _size(server.log_path) for name, server in servers.items()}
         serving.stop_servers(servers, infos)
+        os.sched_setaffinity(0, own_cores)
         for name, server in servers.items():
             if server.log_path.is_file():
                 text = server.log_path.read_text(errors="replace")

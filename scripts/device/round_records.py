@@ -7,6 +7,7 @@ Pure: the round's raw results in, the dicts of `summary["phases"]["tokens"|"benc
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Mapping
 from typing import Any
 
@@ -46,11 +47,13 @@ def bench_record(result: dict[str, Any], model: dict[str, Any]) -> dict[str, Any
         bench["serving_per_layer_ms_by_variant"] = by_variant
         bench["serving_per_layer_ms"] = by_variant.get("afd_eager", {})
         bench["paired"] = paired_records(bench)
+        bench["rate_spread"] = rate_spread(bench)
         for by_len in bench.get("by_prompt_len", {}).values():
             if "variants" in by_len:
                 by_len["serving_per_layer_ms_by_variant"] = ipc_report.per_layer_by_variant(
                     by_len["variants"], by_len["batches"], num_layers)
                 by_len["paired"] = paired_records(by_len)
+                by_len["rate_spread"] = rate_spread(by_len)
     return bench
 
 
@@ -82,6 +85,23 @@ def paired_records(part: Mapping[str, Any]) -> dict[str, dict[str, dict[str, Any
                                                 report.tok_s(variants, denominator, batch))}
         records[f"{numerator}/{denominator}"] = cells
     return records
+
+
+def rate_spread(part: Mapping[str, Any]) -> dict[str, dict[str, dict[str, Any]]]:
+    """How much one server's rate moves between repetitions: variant -> batch -> the coefficient of variation
+    (population standard deviation over mean) and the slowest and fastest repetition over the median; a
+    ratio's two runs can only agree as closely as these allow."""
+    spread: dict[str, dict[str, dict[str, Any]]] = {}
+    for variant, by_batch in (part.get("per_rep_tok_s") or {}).items():
+        for batch, rates in by_batch.items():
+            rates = sorted(r for r in rates if r is not None)
+            if len(rates) < 2:
+                continue
+            median = statistics.median(rates)
+            spread.setdefault(variant, {})[batch] = {"num_reps": len(rates),
+                                                     "cv": statistics.pstdev(rates) / statistics.fmean(rates),
+                                                     "slowest": rates[0] / median, "fastest": rates[-1] / median}
+    return spread
 
 
 def _number(value: float) -> float | None:

@@ -52,6 +52,8 @@ STAGE_TWINS = {variant: variant.rsplit("_s", 1)[0] for variant, spec in AFD_VARI
 MIN_TOKENS_PER_STAGE = 1
 VARIANT_SERVERS = {"plain_eager": "plain_eager", "plain_graphs": "plain_graphs", "pristine_eager": "pristine_eager",
                    **{variant: f"{spec[2]}_attention" for variant, spec in AFD_VARIANTS.items()}}
+# --pin-servers: cores of one server (its API server and engine core processes).
+CORES_PER_SERVER = 2
 CUDA_ONLY_VARIANTS = ("plain_graphs", *(v for v, spec in AFD_VARIANTS.items() if spec[0] != AFD_CONNECTOR))
 
 
@@ -85,6 +87,8 @@ class ServerSpec:
     # A server whose failed start dooms this one (the attention waits for its FFN until the
     # rendezvous times out): this one is stopped at once instead.
     needs: str | None = None
+    # Non-empty: the process and its children run on these cores only (`taskset`, pin_cores).
+    cores: tuple[int, ...] = ()
 
 
 def afd_config_json(role: str, port: int, rendezvous_timeout_s: float, connector: str = AFD_CONNECTOR,
@@ -159,6 +163,29 @@ def server_specs(variants: Sequence[str], settings: ServeSettings, *, afd_port: 
     return [ServerSpec(s.name, s.variant, (*s.args, *settings.extra_args), s.env, s.needs) for s in specs]
 
 
+def pin_cores(specs: Sequence[ServerSpec], cores: Sequence[int],
+              per_server: int = CORES_PER_SERVER) -> tuple[list[ServerSpec], tuple[int, ...]]:
+    """Each server gets `per_server` cores of its own (its API server and engine core), the client the rest.
+
+    A server's rate moved by a coefficient of variation of 0.07-0.21 between repetitions with every
+    process free to run anywhere (evidence/gpu-log.md runs 50-51); pinned, no server and no client
+    thread can take another's core.
+    """
+    cores = sorted(set(cores))
+    needed = per_server * len(specs) + 1
+    if per_server < 1 or len(cores) < needed:
+        raise ValueError(f"pin_cores: {len(specs)} servers x {per_server} cores + 1 for the client need {needed} "
+                         f"cores, this process may run on {len(cores)}; serve fewer variants or drop --pin-servers.")
+    pinned = [ServerSpec(s.name, s.variant, s.args, s.env, s.needs,
+                         tuple(cores[i * per_server:(i + 1) * per_server])) for i, s in enumerate(specs)]
+    return pinned, tuple(cores[per_server * len(specs):])
+
+
+def launch_prefix(spec: ServerSpec) -> tuple[str, ...]:
+    """The command a server's argv runs under: `taskset -c CORES` when pinned, nothing otherwise."""
+    return ("taskset", "-c", ",".join(map(str, spec.cores))) if spec.cores else ()
+
+
 def _cpu_env(settings: ServeSettings, cpu_env: Mapping[str, str], cores: Any) -> dict[str, str]:
     if settings.platform != "cpu":
         return {}
@@ -180,7 +207,7 @@ def start_servers(specs: Sequence[ServerSpec], model_dir: Path, *, base_env: Map
     servers = {spec.name: VllmServer(model_dir, extra_args=spec.args, env={**base_env, **spec.env},
                                      python=sys.executable, log_path=logs_dir / f"{prefix}-{spec.name}.log",
                                      launcher=launcher, cpu_defaults=False, startup_timeout_s=startup_timeout_s,
-                                     stop_wait_s=10.0)
+                                     stop_wait_s=10.0, command_prefix=launch_prefix(spec))
                for spec in specs}
     infos: dict[str, Any] = {}
 

@@ -320,6 +320,32 @@ def test_server_specs_on_cpu_pin_roles_to_cores_and_refuse_graphs():
         serving.server_specs(["afd_graphs"], settings, afd_port=1)
 
 
+def test_pin_cores_gives_each_server_cores_of_its_own_and_the_client_the_rest():
+    specs = serving.server_specs(["plain_eager", "plain_graphs", "afd_ipc_graphs"], serving.ServeSettings(),
+                                 afd_port=1)
+
+    pinned, client = serving.pin_cores(specs, [15, *range(15)])
+
+    assert [s.name for s in pinned] == [s.name for s in specs] and [s.args for s in pinned] == [s.args for s in specs]
+    owned = [core for s in pinned for core in s.cores]
+    assert all(len(s.cores) == serving.CORES_PER_SERVER for s in pinned) and len(set(owned)) == len(owned)
+    assert set(client) == set(range(16)) - set(owned) and client
+    assert serving.launch_prefix(pinned[0]) == ("taskset", "-c", "0,1") and serving.launch_prefix(specs[0]) == ()
+    with pytest.raises(ValueError, match="need 9 cores"):
+        serving.pin_cores(specs, range(8))
+
+
+def test_a_pinned_server_command_runs_on_its_cores_only():
+    core = max(os.sched_getaffinity(0))
+    spec = serving.ServerSpec("x", None, (), cores=(core,))
+
+    done = subprocess.run([*serving.launch_prefix(spec), sys.executable, "-c",
+                           "import os; print(sorted(os.sched_getaffinity(0)))"],
+                          capture_output=True, text=True, timeout=60, check=True)
+
+    assert json.loads(done.stdout) == [core]
+
+
 def test_scan_log():
     text = ("INFO 11-29 [cuda.py:538] Using FLASH_ATTN_MLA attention backend out of potential backends: ['A'].\n"
             "INFO 11-29 [unquantized.py:319] Using TRITON Unquantized MoE backend out of potential backends\n"
@@ -367,10 +393,20 @@ def test_cli_defaults_and_checks(capsys):
     for argv, message in ((["--bench-batches", "1,128"], "exceeds --max-num-seqs"),
                           (["--phases", "tokens,gpu"], "unknown phase"),
                           (["--variants", "afd_eager"], "plain_eager plus"),
-                          (["--kv-cache-bytes", "lots"], "not understood")):
+                          (["--kv-cache-bytes", "lots"], "not understood"),
+                          (["--platform", "cpu", "--pin-servers"], "binds each role's threads")):
         with pytest.raises(SystemExit):
             _parse(*argv)
         assert message in capsys.readouterr().err
+
+
+def test_cli_refuses_pinning_more_servers_than_cores(capsys, monkeypatch):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(12)))
+
+    assert _parse("--pin-servers", "--variants", "plain_eager,plain_graphs,afd_ipc_graphs").pin_servers
+    with pytest.raises(SystemExit):
+        _parse("--pin-servers", "--variants", "plain_eager,plain_graphs,afd_ipc_graphs,afd_ipc_graphs_s2")
+    assert "6 servers need 13 cores" in capsys.readouterr().err
 
 
 def test_run_skeleton_records_a_failed_phase_and_keeps_outputs_within_device_limits(tmp_path):
@@ -704,6 +740,21 @@ def test_the_report_prints_each_per_rep_ratio_with_its_spread_and_halves():
     # ...whose ratios are the paired medians: 0.875 and 1.75, not the median rates' 53 / 65 and 53 / 32.5
     ipc_text = "\n".join(ipc_report.throughput_lines({"models": {"m": bench}}))
     assert "| m | 32 | 53 | — | 0.875 | 1.75 | — | — |" in ipc_text
+
+
+def test_each_servers_rate_spread_between_repetitions_is_recorded_and_printed():
+    reps = {**REPS, "afd_ipc_graphs": [95.0, None, 40.0, None], "plain_eager": [50.0, None, None, None]}
+    bench = round_records.bench_record({"bench": _bench_with_reps(REPS)
+                                        | {"per_rep_tok_s": {v: {"32": r} for v, r in reps.items()}}}, MODEL)
+
+    # plain graphs 100, 50, 60, 70: mean 70, population deviation sqrt(350), median 65
+    assert bench["rate_spread"]["plain_graphs"]["32"] == pytest.approx(
+        {"num_reps": 4, "cv": 350 ** 0.5 / 70, "slowest": 50 / 65, "fastest": 100 / 65})
+    assert bench["rate_spread"]["afd_ipc_graphs"]["32"]["num_reps"] == 2  # the reps without a rate left out
+    assert "plain_eager" not in bench["rate_spread"]  # one rate: no spread
+    text = report.render_markdown({"phases": {"bench": {"status": "ok", "models": {"m": bench}}}})
+    assert "### Each server's rate between repetitions" in text
+    assert "| m | 32 | 32 | plain_graphs | 4 | 0.267 | 0.77 | 1.54 |" in text
 
 
 def test_the_report_of_a_short_bench_prints_dashes_for_missing_halves():

