@@ -53,7 +53,7 @@ from run_state import REPO, Run
 # The gputests phase: the repo's tests that need a GPU, plus the CUDA path's pure tests.
 GPU_TESTS = ("tests/connectors/test_connectors_cuda.py", "tests/connectors/test_ipc_cuda.py",
              "tests/ffn/test_ffn_graphs_cuda.py", "tests/attention/test_cuda_path.py",
-             "tests/wire/test_timeline_cuda.py")
+             "tests/wire/test_timeline_cuda.py", "tests/wire/test_progress_cuda.py")
 # Servers of a round (serving.VARIANT_SERVERS); plain_eager is the baseline of every comparison.
 VARIANTS = ("plain_eager", "plain_graphs", "afd_eager", "afd_ipc_eager", "afd_ipc_graphs")
 # Opt-in servers: AFD over IPC with micro-batch stages (docs/pingpong.md), e.g. --variants

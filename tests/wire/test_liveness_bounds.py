@@ -238,6 +238,21 @@ def test_device_progress_records_nothing_while_a_graph_is_captured():
     assert device.recorded == 0 and progress.overdue(now=1e9, bound_s=0.0) is None
 
 
+def test_device_progress_prepares_each_polling_thread_once_before_its_first_query():
+    """The watchdog thread leaves the global capture mode before it polls (docs/failures.md#25)."""
+    device, prepared = FakeDevice(), []
+    progress = DeviceProgress(device.new_event, prepare_thread=lambda: prepared.append(threading.get_ident()))
+    progress.record(1)
+
+    progress.overdue(now=0.0, bound_s=1.0)
+    progress.overdue(now=0.0, bound_s=1.0)
+    other = threading.Thread(target=lambda: progress.overdue(now=0.0, bound_s=1.0))
+    other.start()
+    other.join()
+
+    assert prepared == [threading.get_ident(), other.ident]
+
+
 def test_cpu_has_no_device_progress():
     assert make_progress(torch.device("cpu")) is NULL_PROGRESS
     NULL_PROGRESS.record(3)

@@ -7,6 +7,7 @@ cycles: the stand-in for a device-side wait that does not end (an NCCL receive, 
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -16,6 +17,7 @@ from vllm_afd.wire.errors import AFDStepTimeoutError
 from vllm_afd.wire.failure import FailureLatch
 from vllm_afd.wire.placement import Placement
 from vllm_afd.wire.progress import DeviceProgress, make_progress
+from vllm_afd.wire.transports.cuda_driver import CudaDriver
 from vllm_afd.wire.watchdog import STARTUP_DONE_KEY, Watchdog, WatchdogSpec
 
 pytestmark = [
@@ -91,3 +93,57 @@ def test_nothing_is_recorded_into_a_captured_graph():
 
     assert progress.overdue(now=time.monotonic() + 1e6, bound_s=0.0) is None
     assert x[0].item() == 2.0
+
+
+def _capture_while_polled(progress: DeviceProgress) -> torch.Tensor:
+    """Capture a long graph in global mode (torch's and vLLM's default) while another thread polls an event
+    recorded behind a spinning stream (still pending), then replay it; returns the replayed tensor."""
+    torch.cuda._sleep(SPIN_CYCLES // 4)  # ~0.5 s: the event stays pending through the capture
+    progress.record(1)
+    polls, stop = [0], threading.Event()
+
+    def poll() -> None:
+        while not stop.is_set():
+            progress.overdue(time.monotonic(), bound_s=1e9)
+            polls[0] += 1
+            time.sleep(0)
+
+    poller = threading.Thread(target=poll, daemon=True)
+    x, stream = torch.zeros(8, device="cuda"), torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        x.add_(1)
+    torch.cuda.synchronize()
+    x.zero_()
+    poller.start()
+    while polls[0] == 0:
+        time.sleep(0.001)
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            for _ in range(10000):  # ~0.1 s: the poller's queries land inside the capture
+                x.add_(1)
+    finally:
+        stop.set()
+        poller.join(5.0)
+    graph.replay()
+    torch.cuda.synchronize()
+    return x
+
+
+def test_the_watchdogs_poll_from_its_own_thread_leaves_a_graph_capture_intact():
+    """Regression (docs/failures.md#25): the FFN's capture failed with 'operation not permitted when stream is
+    capturing' when the watchdog thread queried a pending step event in the middle of it."""
+    x = _capture_while_polled(make_progress(torch.device("cuda")))
+
+    assert x[0].item() == 10000.0
+
+
+def test_without_leaving_the_global_capture_mode_the_same_poll_invalidates_the_capture():
+    """The CUDA fact the fix rests on: if this passes no more, the thread's capture mode is no longer needed."""
+    progress = DeviceProgress(lambda: torch.cuda.Event(enable_timing=False),
+                              capturing=torch.cuda.is_current_stream_capturing)
+
+    with pytest.raises(RuntimeError, match="capturing|capture"):
+        _capture_while_polled(progress)
+    torch.cuda.synchronize()
+    CudaDriver(torch.device("cuda")).synchronize()

@@ -6,14 +6,17 @@ A connector call only enqueues device work, so the host-side step clock cannot s
 connector records an event when a step opens (it completes once everything enqueued before it, the previous
 step or graph replay, has run) and when an eager step's last exchange is enqueued (the step's own device
 work).  The watchdog thread polls the oldest pending event (``query()`` never blocks) and reports it once
-it is older than the bound.  A replayed graph is covered by the next step's event only: a host that blocks
-in a sync on a hung replay opens no next step (docs/failures.md#21-device-side-waits-and-the-step-timeout).
+it is older than the bound; before its first poll it leaves the global capture mode (``prepare_thread``),
+since a poll while another thread captures a graph would otherwise invalidate that capture.  A replayed
+graph is covered by the next step's event only: a host that blocks in a sync on a hung replay opens no next
+step (docs/failures.md#21-device-side-waits-and-the-step-timeout).
 On CPU there is nothing to wait for: ``NULL_PROGRESS``.
 """
 
 from __future__ import annotations
 
 import collections
+import threading
 import time
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -53,8 +56,12 @@ class DeviceProgress:
     """
 
     def __init__(self, new_event: Callable[[], Event], *, capturing: Callable[[], bool] = lambda: False,
-                 clock: Callable[[], float] = time.monotonic, max_pending: int = MAX_PENDING) -> None:
+                 prepare_thread: Callable[[], None] = lambda: None, clock: Callable[[], float] = time.monotonic,
+                 max_pending: int = MAX_PENDING) -> None:
         self._new_event = new_event
+        # Called once on each thread that polls, before its first query.
+        self._prepare_thread = prepare_thread
+        self._prepared = threading.local()
         # True while the current stream captures a graph: an event recorded then would be a graph node.
         self._capturing = capturing
         self._clock = clock
@@ -73,6 +80,9 @@ class DeviceProgress:
     def overdue(self, now: float, bound_s: float) -> tuple[int | None, float] | None:
         """(step, seconds pending) of the oldest event still pending after ``bound_s``, else None; completed
         events are released on the way."""
+        if not getattr(self._prepared, "done", False):
+            self._prepare_thread()
+            self._prepared.done = True
         while self._pending:
             event, step_seq, recorded_at = self._pending[0]
             if not event.query():
@@ -87,7 +97,10 @@ def make_progress(device: Any) -> DeviceProgress | NullProgress:
     """``DeviceProgress`` over ``torch.cuda.Event`` on a CUDA device, else ``NULL_PROGRESS``."""
     import torch
 
+    from vllm_afd.wire.transports.cuda_driver import CudaDriver
+
     if torch.device(device).type != "cuda":
         return NULL_PROGRESS
     return DeviceProgress(lambda: torch.cuda.Event(enable_timing=False),
-                          capturing=torch.cuda.is_current_stream_capturing)
+                          capturing=torch.cuda.is_current_stream_capturing,
+                          prepare_thread=CudaDriver(torch.device(device)).relax_capture_mode)

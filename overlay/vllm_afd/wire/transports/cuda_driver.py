@@ -35,6 +35,7 @@ CU_MEMHOSTREGISTER_DEVICEMAP = 0x02
 CU_STREAM_WAIT_VALUE_GEQ = 0x0  # (int32_t)(*addr - value) >= 0
 CU_STREAM_WRITE_VALUE_DEFAULT = 0x0  # with a system-scope memory fence before the write
 CU_DEVICE_ATTRIBUTE_HOST_REGISTER_SUPPORTED = 99
+CU_STREAM_CAPTURE_MODE_RELAXED = 2
 IPC_HANDLE_BYTES = 64
 # NOTE: the V2 stream memory operations (CUDA 11.7+ drivers) need no kernel module parameter, unlike
 # the V1 ones, whose attribute CU_DEVICE_ATTRIBUTE_CAN_USE_STREAM_MEM_OPS_V1 can read 0 where V2
@@ -115,6 +116,7 @@ _SIGNATURES: dict[str, list[Any]] = {
     "cuMemcpyAsync": [_u64, _u64, _size, _ptr],
     "cuStreamWriteValue32_v2": [_ptr, _u64, ctypes.c_uint32, ctypes.c_uint],
     "cuStreamWaitValue32_v2": [_ptr, _u64, ctypes.c_uint32, ctypes.c_uint],
+    "cuThreadExchangeStreamCaptureMode": [ctypes.POINTER(ctypes.c_int)],
 }
 
 
@@ -221,6 +223,17 @@ class CudaDriver:
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)
+
+    def relax_capture_mode(self) -> None:
+        """Let the calling thread query events while another thread captures a CUDA graph.
+
+        A capture in global mode (torch's and vLLM's default) forbids the calls it deems unsafe on every
+        thread, an event query among them, and one such call invalidates the capture: the watchdog thread's
+        poll of a step's event (wire/progress.py) ended an FFN's capture (docs/failures.md#25).  The mode is
+        the calling thread's own, so this thread's calls are then checked against no other thread's capture.
+        """
+        mode = ctypes.c_int(CU_STREAM_CAPTURE_MODE_RELAXED)
+        self._call("cuThreadExchangeStreamCaptureMode", ctypes.byref(mode))
 
     # ---- ctypes ---------------------------------------------------------------------------------
 
