@@ -106,7 +106,18 @@ def _model(args: argparse.Namespace):
         profile = replace(profile, step=tuple(StepSample(sample.batch, args.host_ms) for sample in profile.step))
     link = parse_link(args.link) if args.link else None
     collective = link or LINKS["nvlink"]
-    return profile, CostModel.from_profile(profile, link, collective), link, collective
+    if args.gpus_per_host is not None and args.gpus_per_host < 1:
+        raise SystemExit(f"afd_plan: --gpus-per-host must be >= 1, got {args.gpus_per_host}")
+    host_link = parse_link(args.host_link, "--host-link")
+    model = CostModel.from_profile(profile, link, collective, gpus_per_host=args.gpus_per_host or 0,
+                                   host_link=host_link)
+    return profile, model, link, collective
+
+
+def _hosts(model: CostModel) -> str:
+    if not model.gpus_per_host:
+        return ""
+    return f"; hosts of {model.gpus_per_host} GPUs joined by it, {model.host_link.name} inside a host"
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -118,7 +129,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     bound = f"{args.tpot_ms:g} ms" if args.tpot_ms else "none"
     print(f"{profile.model.name or 'model'} on {args.gpus} x {profile.device or 'GPU'}: {profile.model.num_layers} "
           f"layers, context {context}, TPOT bound {bound}, A<->F wire {wire}, "
-          f"collectives {collective.name}; batch 1..{args.max_batch} per rank"
+          f"collectives {collective.name}{_hosts(model)}; batch 1..{args.max_batch} per rank"
           f"{', and what fits in memory' if profile.memory else ' (no memory in the profile)'}")
     print()
     print(table(result))
@@ -171,6 +182,14 @@ def _sizes(text: str, name: str, minimum: int) -> tuple[int, ...]:
     if min(values) < minimum:
         raise SystemExit(f"afd_plan: --{name} values must be >= {minimum}, got {text!r}")
     return values
+
+
+def _link_name(text: str) -> str:
+    try:
+        parse_link(text, "--host-link")
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
 
 
 def _layers(text: str) -> int | str:
@@ -246,6 +265,12 @@ def parser() -> argparse.ArgumentParser:
                             "instead of the profile's step samples (an isolated profile's are a lower bound)")
         p.add_argument("--link", help=f"A<->F and collective wire: {', '.join(LINKS)} or GB_PER_S,LATENCY_US "
                                       "(default: the profile's measured transport; collectives on nvlink)")
+        p.add_argument("--gpus-per-host", type=int,
+                       help="GPUs per host (default: one link for everything): collectives among at most this many "
+                            "ranks, and the A<->F exchange of a deployment this small, run on --host-link; the rest "
+                            "on --link, between hosts")
+        p.add_argument("--host-link", default="nvlink", type=_link_name,
+                       help="the wire inside a host, with --gpus-per-host (default nvlink)")
 
     p = sub.add_parser("plan", help="rank colocated vLLM and AFD splits on N GPUs")
     profile_args(p)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from stage_model import Linear, fit_linear, simulate_layers
 
-from .links import Link
+from .links import LINKS, Link
 from .profile import ModelShape, Profile
 
 __all__ = ["CostModel", "fit_nonneg", "touched_experts"]
@@ -83,9 +83,14 @@ class CostModel:
     afd_step_extra_ms: float
     link: Link | None
     collective_link: Link  # between FFN ranks (EP) and between colocated ranks (EP, TP)
+    # Hosts of this many GPUs (0: one link for everything): a collective among at most this many ranks, and the
+    # A<->F exchange of a deployment that fits one host, run on `host_link`; the rest on the links above.
+    gpus_per_host: int = 0
+    host_link: Link = LINKS["nvlink"]
 
     @classmethod
-    def from_profile(cls, profile: Profile, link: Link | None, collective_link: Link) -> CostModel:
+    def from_profile(cls, profile: Profile, link: Link | None, collective_link: Link, *, gpus_per_host: int = 0,
+                     host_link: Link = LINKS["nvlink"]) -> CostModel:
         shape = profile.model
         a = fit_nonneg([[1.0, s.batch, s.batch * s.context] for s in profile.attention],
                        [s.ms for s in profile.attention])
@@ -95,7 +100,8 @@ class CostModel:
         return cls(shape=shape, attention_coef=tuple(a), ffn_coef=tuple(f),  # type: ignore[arg-type]
                    transport=_nonneg_line([(s.bytes, s.ms) for s in profile.transport]),
                    step=_nonneg_line([(s.batch, s.ms) for s in profile.step]),
-                   afd_step_extra_ms=profile.afd_step_extra_ms, link=link, collective_link=collective_link)
+                   afd_step_extra_ms=profile.afd_step_extra_ms, link=link, collective_link=collective_link,
+                   gpus_per_host=gpus_per_host, host_link=host_link)
 
     def attention(self, batch: float, context: int) -> float:
         a0, a1, a2 = self.attention_coef
@@ -107,14 +113,22 @@ class CostModel:
         return (f_w * touched_experts(tokens, experts, s.num_experts, s.top_k) + f0
                 + f_t * tokens * s.top_k * experts / s.num_experts)
 
-    def wire(self, rows: float) -> float:
-        """One A<->F exchange of `rows` rows on one link: out and back."""
+    def in_one_host(self, ranks: int) -> bool:
+        return 0 < ranks <= self.gpus_per_host
+
+    def wire(self, rows: float, gpus: int) -> float:
+        """One A<->F exchange of `rows` rows, out and back, in a deployment of `gpus` GPUs: on the host's link
+        when they fit one host, else on the link between hosts (whose slowest pair sets the step)."""
         num_bytes = self.shape.activation_bytes(rows)
-        return self.transport(num_bytes) if self.link is None else self.link.round_trip_ms(num_bytes)
+        if self.link is None:
+            return self.transport(num_bytes)
+        return (self.host_link if self.in_one_host(gpus) else self.link).round_trip_ms(num_bytes)
 
     def gather(self, ranks: int, rows_per_rank: float) -> float:
-        """One ring all-gather (or reduce-scatter) of `rows_per_rank` rows from each of `ranks` ranks."""
-        return (ranks - 1) * self.collective_link.one_way_ms(self.shape.activation_bytes(rows_per_rank))
+        """One ring all-gather (or reduce-scatter) of `rows_per_rank` rows from each of `ranks` ranks: each of
+        its ranks - 1 steps waits for the ring's slowest hop, a link between hosts once the ring spans two."""
+        link = self.host_link if self.in_one_host(ranks) else self.collective_link
+        return (ranks - 1) * link.one_way_ms(self.shape.activation_bytes(rows_per_rank))
 
     def step_fixed(self, batch: float) -> float:
         return self.step(batch)
@@ -142,7 +156,7 @@ class CostModel:
         f = self.ffn(attention_ranks * rows, self.shape.num_experts / ffn_ranks)
         if ffn_ranks > 1:
             f += 2 * self.gather(ffn_ranks, block * rows)
-        return self.attention(rows, context), f, self.wire(block * rows)
+        return self.attention(rows, context), f, self.wire(block * rows, attention_ranks + ffn_ranks)
 
     def afd_ms(self, attention_ranks: int, ffn_ranks: int, num_stages: int, batch: int, context: int, *,
                shared_device: bool = False) -> float:

@@ -36,16 +36,16 @@ LINKS = {
 }
 
 
-def parse_link(text: str) -> Link:
-    """A named link (`nvlink`, `pcie`, `ib`, `eth`) or `GB_PER_S,LATENCY_US` (e.g. `25,8`)."""
+def parse_link(text: str, flag: str = "--link") -> Link:
+    """A named link (`nvlink`, `pcie`, `ib`, `eth`) or `GB_PER_S,LATENCY_US` (e.g. `25,8`); errors name `flag`."""
     if text in LINKS:
         return LINKS[text]
     parts = text.split(",")
     try:
         gb_per_s, latency_us = (float(p) for p in parts)
     except ValueError:
-        raise ValueError(f"--link {text!r}: expected one of {sorted(LINKS)} or 'GB_PER_S,LATENCY_US' "
+        raise ValueError(f"{flag} {text!r}: expected one of {sorted(LINKS)} or 'GB_PER_S,LATENCY_US' "
                          "(e.g. '25,8': 25 GB/s each way, 8 us per message)") from None
     if not (math.isfinite(gb_per_s) and gb_per_s > 0 and math.isfinite(latency_us) and latency_us >= 0):
-        raise ValueError(f"--link {text!r}: bandwidth must be > 0 GB/s and latency >= 0 us, both finite")
+        raise ValueError(f"{flag} {text!r}: bandwidth must be > 0 GB/s and latency >= 0 us, both finite")
     return Link(f"{gb_per_s:g} GB/s, {latency_us:g} us", gb_per_s, latency_us)

@@ -161,6 +161,48 @@ def test_links_parse_names_and_numbers():
             parse_link(bad)
 
 
+def test_hosts_put_the_collectives_and_exchanges_that_fit_one_host_on_its_link():
+    """8 GPUs in hosts of 4 joined by ib: a ring within a host pays NVLink hops, one across hosts ib hops; an
+    AFD deployment's exchange stays on NVLink only when all its GPUs fit one host."""
+    ib, nvlink = LINKS["ib"], LINKS["nvlink"]
+    model = CostModel.from_profile(parse_profile(toy()), ib, ib, gpus_per_host=4)
+    rows = 4 * 512 * 2
+
+    assert model.gather(4, 4) == pytest.approx(3 * nvlink.one_way_ms(rows))
+    assert model.gather(8, 4) == pytest.approx(7 * ib.one_way_ms(rows))
+    assert model.afd_layer_costs(3, 1, 4, 0)[2] == pytest.approx(nvlink.round_trip_ms(3 * rows))  # 4 GPUs, one host
+    _, f, t = model.afd_layer_costs(6, 2, 4, 0)
+    assert t == pytest.approx(ib.round_trip_ms(3 * rows))  # 8 GPUs: the exchange crosses hosts
+    assert f == pytest.approx(model.ffn(24, 4) + 2 * nvlink.one_way_ms(3 * rows))  # the pool's ring inside a host
+    flat = model_of(toy(), ib)  # no hosts: every wire is the link, as before
+    assert flat.gather(4, 4) == pytest.approx(3 * ib.one_way_ms(rows))
+
+
+def test_a_two_host_afd_split_gathers_its_ffn_pool_over_nvlink():
+    """16 GPUs over ib: 8A:8F with the FFN pool in one host beats the same split with every ring on ib."""
+    body = toy(**FLAT)
+    flat = plan(model_of(body, LINKS["ib"]), gpus=16, context=0, max_batch=64)
+    hosts = plan(CostModel.from_profile(parse_profile(body), LINKS["ib"], LINKS["ib"], gpus_per_host=8), gpus=16,
+                 context=0, max_batch=64)
+
+    def step(result, label):
+        return next(c for c in result.afd if c.label == label and c.num_stages == 1).step_ms
+
+    assert step(hosts, "8A:8F") < step(flat, "8A:8F")
+    assert step(hosts, "9A:7F") < step(flat, "9A:7F")
+
+
+def test_the_cli_plans_hosts_and_refuses_a_bad_host_count_or_link(tmp_path, capsys):
+    profile = write(tmp_path, toy(**FLAT))
+    afd_plan.main(["plan", profile, "--gpus", "16", "--link", "ib", "--gpus-per-host", "8"])
+    assert "collectives ib; hosts of 8 GPUs joined by it, nvlink inside a host;" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="--gpus-per-host must be >= 1, got 0"):
+        afd_plan.main(["plan", profile, "--gpus", "16", "--gpus-per-host", "0"])
+    with pytest.raises(SystemExit):
+        afd_plan.main(["plan", profile, "--gpus", "16", "--host-link", "fast"])
+    assert "--host-link 'fast': expected one of" in capsys.readouterr().err
+
+
 # --- the CLI: table and recommendation ---
 
 def write(tmp_path, body) -> str:
