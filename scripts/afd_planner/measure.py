@@ -25,15 +25,15 @@ reads), and a layer called back to back would read them from the cache instead.
 from __future__ import annotations
 
 import json
-import re
 import socket
 import statistics
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .memory import memory_block
 from .profile import SCHEMA, VERSION, parse_profile
 
 __all__ = ["EXIT_CAPTURE_FAILED", "CacheEvictor", "CaptureError", "Grid", "Timer", "Timing", "cuda_graph",
@@ -263,6 +263,55 @@ def _load(config: Any, device: Any) -> tuple[Any, dict[str, int]]:
     return model.eval(), loaded
 
 
+@dataclass(frozen=True, slots=True)
+class Halves:
+    """Both AFD halves of the first layers, built and loaded in this process."""
+
+    configs: dict[str, Any]  # role -> VllmConfig
+    hf: Any  # the built (truncated) text config
+    architecture: str  # the checkpoint's, without the AFD alias prefix
+    moe: list[int]  # the built MoE layers
+    where: Any  # torch.device
+    attention_model: Any
+    ffn_model: Any
+    param_bytes: dict[str, int]  # both halves' parameters as loaded, by name
+
+
+def _build(model_dir: Path, grid: Grid, device: str, load_format: str, num_layers: int | None) -> Halves:
+    """Both halves as the role workers build them, on `device`; refuses an architecture not measured yet or a
+    build without a MoE layer."""
+    import torch
+
+    from vllm_afd.models import register_afd_models
+    from vllm_afd.models.split import moe_layer_indices
+
+    max_len = max(grid.contexts) + 2
+    max_rows = max(max(grid.batches), max(grid.tokens))
+    register_afd_models()
+    configs = {role: _role_config(model_dir, role, load_format, num_layers, max_len, max_rows, device)
+               for role in ("attention", "ffn")}
+    hf = configs["ffn"].model_config.hf_text_config
+    architecture = configs["ffn"].model_config.hf_config.architectures[0].removeprefix("AFD")
+    if architecture not in SELF_ATTN_EXTRA_ARGS:
+        raise ValueError(f"profile: {architecture} is not measured yet; expected one of {sorted(SELF_ATTN_EXTRA_ARGS)} "
+                         "(add its self_attn arguments to SELF_ATTN_EXTRA_ARGS)")
+    moe = moe_layer_indices(hf, architecture)
+    if not moe:
+        raise ValueError(f"profile: the {hf.num_hidden_layers} built layer(s) hold no MoE layer; raise --layers "
+                         "past the model's dense layers (first_k_dense_replace, mlp_only_layers)")
+    if device == "cpu":
+        torch.set_num_threads(1)  # one core per role, as the CPU benchmarks pin them
+    where = torch.device("cuda:0" if device == "cuda" else "cpu")
+    _init_world(configs["attention"], device)
+    if device == "cuda":
+        from vllm.v1.worker.workspace import init_workspace_manager
+
+        init_workspace_manager(where)  # the fused MoE's scratch, as vLLM's GPU worker sets it up before the model
+    attention_model, attention_bytes = _load(configs["attention"], where)
+    ffn_model, ffn_bytes = _load(configs["ffn"], where)
+    return Halves(configs, hf, architecture, moe, where, attention_model, ffn_model, attention_bytes | ffn_bytes)
+
+
 # ---- the samples ----------------------------------------------------------------------------------------
 
 
@@ -388,43 +437,6 @@ def control_payload_ms(batch: int, grid: Grid) -> Timing:
     return time_call(round_trip, max(grid.warmup, 10), max(grid.repeats, 100))
 
 
-ROUTED_EXPERT_PARAMS = ("w13_", "w2_")  # the fused MoE's stacked expert tensors (weights, biases, scales) in vLLM
-
-
-def memory_block(param_bytes: Mapping[str, int], kv_bytes_per_layer: int, built_moe: Sequence[int],
-                 full_moe: Sequence[int], full_layers: int, device_gib: float) -> tuple[dict[str, Any] | None, str]:
-    """(the profile's `memory` for the whole model, a note) from the built halves' parameters as loaded (name ->
-    bytes, both halves): each built layer's weights by kind (a dense layer; a MoE layer, its routed experts apart)
-    multiplied out to the model's layer count, plus what sits outside the layers (embedding, head).  None where a
-    layer kind of the model was not built (a dense layer after the first MoE one)."""
-    per_layer: dict[int, int] = {}
-    routed: dict[int, int] = {}
-    outside = 0
-    for name, size in param_bytes.items():
-        found = re.match(r"model\.layers\.(\d+)\.", name)
-        if not found:
-            outside += size
-            continue
-        layer = int(found[1])
-        per_layer[layer] = per_layer.get(layer, 0) + size
-        if name.rpartition(".")[2].startswith(ROUTED_EXPERT_PARAMS):
-            routed[layer] = routed.get(layer, 0) + size
-    dense_built = sorted(set(per_layer) - set(built_moe))
-    num_dense = full_layers - len(full_moe)
-    if num_dense and not dense_built:
-        return None, "memory not estimated: the model's dense layers were not built (raise --layers past one)"
-    moe = built_moe[0]
-    dense_bytes = outside + len(full_moe) * (per_layer[moe] - routed.get(moe, 0))
-    if num_dense:
-        dense_bytes += num_dense * per_layer[dense_built[-1]]
-    block = {"device_gib": round(device_gib, 1), "dense_weights_gib": round(dense_bytes / 2**30, 6),
-             "expert_weights_gib": round(len(full_moe) * routed.get(moe, 0) / 2**30, 6),
-             "kv_bytes_per_token": full_layers * kv_bytes_per_layer}  # utilization: the schema's default
-    return block, (f"memory: {block['dense_weights_gib']} GiB dense, {block['expert_weights_gib']} GiB routed experts "
-                   f"({len(full_moe)} MoE of {full_layers} layers), {block['kv_bytes_per_token']} KV bytes per token; "
-                   f"device {block['device_gib']} GiB")
-
-
 def measure_profile(model_dir: Path, grid: Grid, *, device: str = "cpu", load_format: str = "auto",
                     num_layers: int | None = None, transport: bool = True, cold_cache: bool = True,
                     eager: bool = False, device_gib: float | None = None) -> tuple[dict[str, Any], list[str]]:
@@ -436,51 +448,28 @@ def measure_profile(model_dir: Path, grid: Grid, *, device: str = "cpu", load_fo
     (docs/planner.md#memory) is written for a device of `device_gib` (default on CUDA: GPU 0's; on CPU: none)."""
     import torch
 
-    from vllm_afd.models import register_afd_models
-    from vllm_afd.models.split import moe_layer_indices, num_routed_experts
+    from vllm_afd.models.split import num_routed_experts
 
+    halves = _build(model_dir, grid, device, load_format, num_layers)
+    configs, hf, layer, where = halves.configs, halves.hf, halves.moe[0], halves.where
     full_layers = read_model_config(model_dir)["num_hidden_layers"]
-    max_len = max(grid.contexts) + 2
-    max_rows = max(max(grid.batches), max(grid.tokens))
-    register_afd_models()
-    configs = {role: _role_config(model_dir, role, load_format, num_layers, max_len, max_rows, device)
-               for role in ("attention", "ffn")}
-    hf = configs["ffn"].model_config.hf_text_config
-    architecture = configs["ffn"].model_config.hf_config.architectures[0].removeprefix("AFD")
-    if architecture not in SELF_ATTN_EXTRA_ARGS:
-        raise ValueError(f"profile: {architecture} is not measured yet; expected one of {sorted(SELF_ATTN_EXTRA_ARGS)} "
-                         "(add its self_attn arguments to SELF_ATTN_EXTRA_ARGS)")
-    moe = moe_layer_indices(hf, architecture)
-    if not moe:
-        raise ValueError(f"profile: the {hf.num_hidden_layers} built layer(s) hold no MoE layer; raise --layers "
-                         "past the model's dense layers (first_k_dense_replace, mlp_only_layers)")
-    if device == "cpu":
-        torch.set_num_threads(1)  # one core per role, as the CPU benchmarks pin them
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    where = torch.device("cuda:0" if device == "cuda" else "cpu")
-    _init_world(configs["attention"], device)
-    if device == "cuda":
-        from vllm.v1.worker.workspace import init_workspace_manager
-
-        init_workspace_manager(where)  # the fused MoE's scratch, as vLLM's GPU worker sets it up before the model
-    attention_model, attention_bytes = _load(configs["attention"], where)
-    ffn_model, ffn_bytes = _load(configs["ffn"], where)
     num_experts = num_routed_experts(hf)
     evict = CacheEvictor() if cold_cache and device == "cpu" else None
     timer = Timer(grid, sync, evict or _nothing, graphs=device == "cuda" and not eager)
-    attention, notes = _attention_samples(attention_model, configs["attention"], moe[0], grid, where, timer,
-                                          SELF_ATTN_EXTRA_ARGS[architecture])
-    ffn, ffn_notes = _ffn_samples(ffn_model, configs["ffn"], moe[0], grid, num_experts, where, timer)
-    step, step_notes = _step_samples(attention_model, configs["attention"], grid, where, timer)
+    attention, notes = _attention_samples(halves.attention_model, configs["attention"], layer, grid, where, timer,
+                                          SELF_ATTN_EXTRA_ARGS[halves.architecture])
+    ffn, ffn_notes = _ffn_samples(halves.ffn_model, configs["ffn"], layer, grid, num_experts, where, timer)
+    step, step_notes = _step_samples(halves.attention_model, configs["attention"], grid, where, timer)
     notes += ffn_notes + step_notes
     if device == "cuda" and device_gib is None:
         device_gib = torch.cuda.get_device_properties(0).total_memory / 2**30
     memory = None
     if device_gib is not None:
-        spec = _attention_module(attention_model.model.layers[moe[0]].self_attn).get_kv_cache_spec(
+        spec = _attention_module(halves.attention_model.model.layers[layer].self_attn).get_kv_cache_spec(
             configs["attention"])
-        memory, memory_note = memory_block(attention_bytes | ffn_bytes, spec.page_size_bytes // spec.block_size,
-                                           moe, full_moe_layers(model_dir), full_layers, device_gib)
+        memory, memory_note = memory_block(halves.param_bytes, spec.page_size_bytes // spec.block_size,
+                                           halves.moe, full_moe_layers(model_dir), full_layers, device_gib)
         notes.append(memory_note)
     dtype = configs["ffn"].model_config.dtype
     model = {"name": Path(model_dir).name, "hidden_size": hf.hidden_size, "num_layers": full_layers,
@@ -499,7 +488,7 @@ def measure_profile(model_dir: Path, grid: Grid, *, device: str = "cpu", load_fo
     body = {"schema": SCHEMA, "version": VERSION,
             "device": f"{'CPU, 1 thread per role' if device == 'cpu' else torch.cuda.get_device_name(0)}",
             "source": f"afd_plan.py profile {model_dir} (load format {load_format}, {hf.num_hidden_layers} of "
-                      f"{full_layers} layers built; layer {moe[0]}; median of {grid.repeats} {timer.describe()} after "
+                      f"{full_layers} layers built; layer {layer}; median of {grid.repeats} {timer.describe()} after "
                       f"{grid.warmup} warm-up; {cache_text})",
             "model": model, "attention": attention, "ffn": ffn, "transport": wire, "step": step,
             "afd_step_extra_ms": round(extra, 4)}

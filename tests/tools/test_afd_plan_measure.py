@@ -16,6 +16,7 @@ import pytest
 
 import afd_plan
 from afd_planner import measure
+from afd_planner.memory import memory_block
 from afd_planner.measure import MIN_EVICTION_BYTES, CacheEvictor, Grid, last_level_cache_bytes, time_call
 from afd_planner.profile import load_profile
 
@@ -95,7 +96,7 @@ def test_the_memory_block_counts_the_whole_models_weights_from_the_built_layers(
 
 def test_a_model_whose_dense_layers_were_not_built_gets_no_memory_block():
     # layers 0 MoE, 1 dense (mlp_only_layers after the first MoE one): built through the first MoE layer only
-    block, note = measure.memory_block({"model.layers.0.mlp.experts.w13_weight": 10}, 4, [0], [0], 2, 80.0)
+    block, note = memory_block({"model.layers.0.mlp.experts.w13_weight": 10}, 4, [0], [0], 2, 80.0)
     assert block is None and "dense layers were not built" in note
 
 
@@ -103,7 +104,7 @@ def test_the_routed_experts_are_the_fused_stacks_and_the_rest_is_dense():
     loaded = {"model.embed_tokens.weight": 2**30, "model.layers.0.mlp.experts.w13_weight": 2 * 2**30,
               "model.layers.0.mlp.experts.w2_weight_scale": 2**30, "model.layers.0.mlp.shared_experts.w": 2**30,
               "model.layers.0.self_attn.o_proj.weight": 2**30}
-    block, _ = measure.memory_block(loaded, 1000, [0], [0, 1, 2], 3, 79.2)
+    block, _ = memory_block(loaded, 1000, [0], [0, 1, 2], 3, 79.2)
     assert block == {"device_gib": 79.2, "dense_weights_gib": 1 + 3 * 2, "expert_weights_gib": 3 * 3,
                      "kv_bytes_per_token": 3000}
 
