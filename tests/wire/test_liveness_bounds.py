@@ -253,6 +253,21 @@ def test_device_progress_prepares_each_polling_thread_once_before_its_first_quer
     assert prepared == [threading.get_ident(), other.ident]
 
 
+def test_a_thread_that_cannot_be_prepared_still_polls_and_says_so(caplog):
+    device = FakeDevice()
+
+    def refuse() -> None:
+        raise OSError("libcuda.so.1: cannot open shared object file")
+
+    progress = DeviceProgress(device.new_event, prepare_thread=refuse)
+    progress.record(5)
+
+    assert progress.overdue(now=1e9, bound_s=1.0)[0] == 5  # still timed
+    assert progress.overdue(now=1e9, bound_s=1.0)[0] == 5
+    warnings = [r for r in caplog.records if "could not leave the global CUDA graph capture mode" in r.message]
+    assert len(warnings) == 1 and "libcuda.so.1" in warnings[0].message
+
+
 def test_cpu_has_no_device_progress():
     assert make_progress(torch.device("cpu")) is NULL_PROGRESS
     NULL_PROGRESS.record(3)

@@ -16,12 +16,15 @@ On CPU there is nothing to wait for: ``NULL_PROGRESS``.
 from __future__ import annotations
 
 import collections
+import logging
 import threading
 import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
 __all__ = ["NULL_PROGRESS", "DeviceProgress", "NullProgress", "make_progress"]
+
+logger = logging.getLogger(__name__)
 
 # Events pending at most; while this many are, a step records none (the oldest already bounds the wait).
 MAX_PENDING = 8
@@ -81,8 +84,12 @@ class DeviceProgress:
         """(step, seconds pending) of the oldest event still pending after ``bound_s``, else None; completed
         events are released on the way."""
         if not getattr(self._prepared, "done", False):
-            self._prepare_thread()
             self._prepared.done = True
+            try:
+                self._prepare_thread()
+            except Exception as exc:  # noqa: BLE001 - polls still time device waits; a capture beside one is at risk
+                logger.warning("AFD watchdog: could not leave the global CUDA graph capture mode on its polling thread "
+                               "(%s); a poll during a graph capture may invalidate it (docs/failures.md#25)", exc)
         while self._pending:
             event, step_seq, recorded_at = self._pending[0]
             if not event.query():
