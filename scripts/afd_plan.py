@@ -108,9 +108,8 @@ def _model(args: argparse.Namespace):
     collective = link or LINKS["nvlink"]
     if args.gpus_per_host is not None and args.gpus_per_host < 1:
         raise SystemExit(f"afd_plan: --gpus-per-host must be >= 1, got {args.gpus_per_host}")
-    host_link = parse_link(args.host_link, "--host-link")
     model = CostModel.from_profile(profile, link, collective, gpus_per_host=args.gpus_per_host or 0,
-                                   host_link=host_link)
+                                   host_link=args.host_link)
     return profile, model, link, collective
 
 
@@ -184,12 +183,11 @@ def _sizes(text: str, name: str, minimum: int) -> tuple[int, ...]:
     return values
 
 
-def _link_name(text: str) -> str:
+def _host_link(text: str) -> Link:
     try:
-        parse_link(text, "--host-link")
+        return parse_link(text, "--host-link")
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
-    return text
 
 
 def _layers(text: str) -> int | str:
@@ -269,7 +267,7 @@ def parser() -> argparse.ArgumentParser:
                        help="GPUs per host (default: one link for everything): collectives among at most this many "
                             "ranks, and the A<->F exchange of a deployment this small, run on --host-link; the rest "
                             "on --link, between hosts")
-        p.add_argument("--host-link", default="nvlink", type=_link_name,
+        p.add_argument("--host-link", default="nvlink", type=_host_link,
                        help="the wire inside a host, with --gpus-per-host (default nvlink)")
 
     p = sub.add_parser("plan", help="rank colocated vLLM and AFD splits on N GPUs")

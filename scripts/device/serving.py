@@ -27,7 +27,7 @@ import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -163,22 +163,25 @@ def server_specs(variants: Sequence[str], settings: ServeSettings, *, afd_port: 
     return [ServerSpec(s.name, s.variant, (*s.args, *settings.extra_args), s.env, s.needs) for s in specs]
 
 
-def pin_cores(specs: Sequence[ServerSpec], cores: Sequence[int],
-              per_server: int = CORES_PER_SERVER) -> tuple[list[ServerSpec], tuple[int, ...]]:
-    """Each server gets `per_server` cores of its own (its API server and engine core), the client the rest.
+def cores_needed(num_servers: int) -> int:
+    """Cores `pin_cores` needs: CORES_PER_SERVER per server and one for the client."""
+    return CORES_PER_SERVER * num_servers + 1
 
-    A server's rate moved by a coefficient of variation of 0.07-0.21 between repetitions with every
-    process free to run anywhere (evidence/gpu-log.md runs 50-51); pinned, no server and no client
-    thread can take another's core.
+
+def pin_cores(specs: Sequence[ServerSpec], cores: Sequence[int]) -> tuple[list[ServerSpec], tuple[int, ...]]:
+    """Each server gets CORES_PER_SERVER cores of its own (its API server and engine core), the client the rest.
+
+    So that no server and no client thread can take another's core; runs 53a-53e of evidence/gpu-log.md found
+    one server's spread between repetitions the same pinned or not (a coefficient of variation of 0.06-0.23).
     """
     cores = sorted(set(cores))
-    needed = per_server * len(specs) + 1
-    if per_server < 1 or len(cores) < needed:
-        raise ValueError(f"pin_cores: {len(specs)} servers x {per_server} cores + 1 for the client need {needed} "
-                         f"cores, this process may run on {len(cores)}; serve fewer variants or drop --pin-servers.")
-    pinned = [ServerSpec(s.name, s.variant, s.args, s.env, s.needs,
-                         tuple(cores[i * per_server:(i + 1) * per_server])) for i, s in enumerate(specs)]
-    return pinned, tuple(cores[per_server * len(specs):])
+    if len(cores) < cores_needed(len(specs)):
+        raise ValueError(f"pin_cores: {len(specs)} servers need {cores_needed(len(specs))} cores ({CORES_PER_SERVER} "
+                         f"each, one for the client), this process may run on {len(cores)}; serve fewer variants "
+                         "or drop --pin-servers.")
+    n = CORES_PER_SERVER
+    pinned = [replace(spec, cores=tuple(cores[i * n:(i + 1) * n])) for i, spec in enumerate(specs)]
+    return pinned, tuple(cores[n * len(specs):])
 
 
 def launch_prefix(spec: ServerSpec) -> tuple[str, ...]:

@@ -331,7 +331,7 @@ def test_pin_cores_gives_each_server_cores_of_its_own_and_the_client_the_rest():
     assert all(len(s.cores) == serving.CORES_PER_SERVER for s in pinned) and len(set(owned)) == len(owned)
     assert set(client) == set(range(16)) - set(owned) and client
     assert serving.launch_prefix(pinned[0]) == ("taskset", "-c", "0,1") and serving.launch_prefix(specs[0]) == ()
-    with pytest.raises(ValueError, match="need 9 cores"):
+    with pytest.raises(ValueError, match="4 servers need 9 cores"):
         serving.pin_cores(specs, range(8))
 
 
