@@ -119,17 +119,30 @@ def _hosts(model: CostModel) -> str:
     return f"; hosts of {model.gpus_per_host} GPUs joined by it, {model.host_link.name} inside a host"
 
 
+def _memory(profile, device_gib: float | None):
+    """The profile's memory block, for a device of `device_gib` GiB when given."""
+    if device_gib is None:
+        return profile.memory
+    if not device_gib > 0:
+        raise SystemExit(f"afd_plan: --device-gib must be a positive number of GiB, got {device_gib}")
+    if profile.memory is None:
+        raise SystemExit("afd_plan: --device-gib resizes the profile's memory block, and this profile has none; "
+                         "measure one with `afd_plan.py profile` (it writes the block)")
+    return replace(profile.memory, device_gib=device_gib)
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     profile, model, link, collective = _model(args)
     context = args.context if args.context is not None else max(s.context for s in profile.attention)
+    memory = _memory(profile, args.device_gib)
     result = plan(model, args.gpus, context, args.tpot_ms, args.max_batch, args.min_tokens_per_stage,
-                  memory=profile.memory)
+                  memory=memory)
     wire = link.name if link else "the profile's measured transport"
     bound = f"{args.tpot_ms:g} ms" if args.tpot_ms else "none"
     print(f"{profile.model.name or 'model'} on {args.gpus} x {profile.device or 'GPU'}: {profile.model.num_layers} "
           f"layers, context {context}, TPOT bound {bound}, A<->F wire {wire}, "
           f"collectives {collective.name}{_hosts(model)}; batch 1..{args.max_batch} per rank"
-          f"{', and what fits in memory' if profile.memory else ' (no memory in the profile)'}")
+          f"{f', and what fits in {memory.device_gib:g} GiB per GPU' if memory else ' (no memory in the profile)'}")
     print()
     print(table(result))
     print()
@@ -276,6 +289,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--tpot-ms", type=float, help="bound on the decode step (time per output token)")
     p.add_argument("--max-batch", type=int, default=256, help="largest batch per attention rank (default 256)")
     p.add_argument("--min-tokens-per-stage", type=int, default=4, help="as the AFD config key (default 4)")
+    p.add_argument("--device-gib", type=float,
+                   help="GiB per GPU instead of the profile's device (its timings stay the profiled card's): "
+                        "what fits on a card with more or less memory")
     p.add_argument("--model", help="model path for the printed commands (default: the profile's model name)")
     p.add_argument("--host", default="127.0.0.1", help="FFN rank 0's address for the printed config")
     p.add_argument("--port", type=int, default=6390, help="the rendezvous port for the printed config")

@@ -150,6 +150,25 @@ def test_memory_bounds_the_batch_and_drops_what_does_not_fit():
     assert "3A:1F" not in by_label  # one FFN rank cannot hold 150 GiB of experts
 
 
+def test_device_gib_replans_the_profiles_model_for_a_card_of_that_memory(tmp_path, capsys):
+    """The same 150 GiB of experts on 4 cards of 200 GiB: one FFN rank holds them all, so 3A:1F fits."""
+    body = toy(**FLAT)
+    body["memory"] = {"device_gib": 100, "dense_weights_gib": 1, "expert_weights_gib": 150,
+                      "kv_bytes_per_token": 2**30, "utilization": 1.0}
+    profile = write(tmp_path, body)
+    afd_plan.main(["plan", profile, "--gpus", "4", "--context", "1", "--max-batch", "512"])
+    small = capsys.readouterr().out
+    afd_plan.main(["plan", profile, "--gpus", "4", "--context", "1", "--max-batch", "512", "--device-gib", "200"])
+    large = capsys.readouterr().out
+
+    assert "what fits in 100 GiB per GPU" in small and "| AFD 3A:1F |" not in small
+    assert "what fits in 200 GiB per GPU" in large and "| AFD 3A:1F |" in large
+    with pytest.raises(SystemExit, match="--device-gib must be a positive number of GiB, got 0.0"):
+        afd_plan.main(["plan", profile, "--gpus", "4", "--device-gib", "0"])
+    with pytest.raises(SystemExit, match="this profile has none"):
+        afd_plan.main(["plan", write(tmp_path, toy(**FLAT)), "--gpus", "4", "--device-gib", "141"])
+
+
 # --- links ---
 
 def test_links_parse_names_and_numbers():
