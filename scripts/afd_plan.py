@@ -146,7 +146,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print()
     print(table(result))
     print()
-    link_name = args.link or "nvlink"
+    # the connector the printed commands name: the host's link's where the deployment fits one host
+    link_name = args.host_link.name if model.in_one_host(args.gpus) else args.link or "nvlink"
     print(recommendation(result, args.model or profile.model.name or "MODEL", link_name, args.host, args.port))
     return 0
 

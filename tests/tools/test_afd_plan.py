@@ -258,6 +258,18 @@ def test_plan_prints_the_baseline_first_then_the_recommendation(tmp_path, capsys
     assert "--port 8000 --data-parallel-size 3 --compilation-config" in out
 
 
+def test_a_split_that_fits_one_host_is_recommended_over_its_ipc_connector(tmp_path, capsys):
+    """--link eth joins the hosts; 4 GPUs of a host of 8 exchange over NVLink: CUDA IPC, not NCCL."""
+    profile = write(tmp_path, toy(**FLAT))
+    afd_plan.main(["plan", profile, "--gpus", "4", "--link", "eth", "--max-batch", "64", "--gpus-per-host", "8"])
+    one_host = capsys.readouterr().out
+    afd_plan.main(["plan", profile, "--gpus", "4", "--link", "eth", "--max-batch", "64", "--gpus-per-host", "2"])
+    two_hosts = capsys.readouterr().out
+
+    assert '"connector": "P2pIpcAFDConnector"' in one_host and "P2pNccl" not in one_host
+    assert '"connector": "P2pNcclAFDConnector"' in two_hosts
+
+
 def test_plan_says_stay_colocated_with_the_colocated_command(tmp_path, capsys):
     afd_plan.main(["plan", write(tmp_path, toy(transport=((0, 5.0), (2048, 5.0)))), "--gpus", "2"])
     out = capsys.readouterr().out
