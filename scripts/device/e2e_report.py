@@ -14,7 +14,7 @@ import random
 import re
 import statistics
 import xml.etree.ElementTree as ElementTree
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 # Execution order.  "pristine" runs the unpatched tree, so it must precede "patch".
@@ -283,6 +283,13 @@ def tok_s(variants: Mapping[str, Any], variant: str, batch: Any) -> float | None
     return entry["tok_s"] if entry else None
 
 
+def _bench_parts(bench: Mapping[str, Any]) -> Iterator[tuple[str, Any, Mapping[str, Any]]]:
+    """(model, prompt length, part) of each prompt length the bench ran; a one-length bench is its own part."""
+    for model, result in bench.get("models", {}).items():
+        for prompt_len, part in (result.get("by_prompt_len") or {result.get("prompt_len"): result}).items():
+            yield model, prompt_len, part
+
+
 def _bench_lines(bench: Mapping[str, Any]) -> list[str]:
     rows = []
     for model, result in bench.get("models", {}).items():
@@ -306,24 +313,23 @@ def _stage_lines(bench: Mapping[str, Any]) -> list[str]:
     """Micro-batch stages: each split variant's tok/s ÷ its one-stage twin, measured and predicted from the twin's
     timeline (stage_prediction.py), each role's busy share at one stage, and ÷ plain of the same mode."""
     rows, failures = [], []
-    for model, result in bench.get("models", {}).items():
-        for prompt_len, part in (result.get("by_prompt_len") or {result.get("prompt_len"): result}).items():
-            variants, predictions = part.get("variants", {}), part.get("stage_prediction") or {}
-            if "error" in predictions:  # annotate() raised: the round's other results stand
-                failures.append(f"{model}, {prompt_len} prompt tokens: {predictions['error']}")
-                predictions = {}
-            for batch in part.get("batches", []):
-                for variant in STAGE_VARIANTS:
-                    if variant not in variants:
-                        continue
-                    twin = variant.rsplit("_s", 1)[0]
-                    plain = "plain_graphs" if "_graphs_" in variant else "plain_eager"
-                    cell = predictions.get(variant, {}).get("batches", {}).get(str(batch), {})
-                    busy = (cell.get("attention_busy_1_stage"), cell.get("ffn_busy_1_stage"))
-                    rows.append([model, prompt_len, batch, variant, tok_s(variants, variant, batch),
-                                 tok_s(variants, twin, batch), paired_ratio(part, variant, twin, batch),
-                                 cell.get("predicted"), None if None in busy else f"{busy[0]:.2f} / {busy[1]:.2f}",
-                                 tok_s(variants, plain, batch), paired_ratio(part, variant, plain, batch)])
+    for model, prompt_len, part in _bench_parts(bench):
+        variants, predictions = part.get("variants", {}), part.get("stage_prediction") or {}
+        if "error" in predictions:  # annotate() raised: the round's other results stand
+            failures.append(f"{model}, {prompt_len} prompt tokens: {predictions['error']}")
+            predictions = {}
+        for batch in part.get("batches", []):
+            for variant in STAGE_VARIANTS:
+                if variant not in variants:
+                    continue
+                twin = variant.rsplit("_s", 1)[0]
+                plain = "plain_graphs" if "_graphs_" in variant else "plain_eager"
+                cell = predictions.get(variant, {}).get("batches", {}).get(str(batch), {})
+                busy = (cell.get("attention_busy_1_stage"), cell.get("ffn_busy_1_stage"))
+                rows.append([model, prompt_len, batch, variant, tok_s(variants, variant, batch),
+                             tok_s(variants, twin, batch), paired_ratio(part, variant, twin, batch),
+                             cell.get("predicted"), None if None in busy else f"{busy[0]:.2f} / {busy[1]:.2f}",
+                             tok_s(variants, plain, batch), paired_ratio(part, variant, plain, batch)])
     if not rows:
         return []
     return ["", f"### Micro-batch stages ({RATIOS_NOTE})", "",
@@ -362,17 +368,16 @@ def _paired_lines(bench: Mapping[str, Any]) -> list[str]:
     """The ratios taken per repetition (round_records.paired_records): median, min–max, halves, and the ratio of
     the median rates beside them; one row per (model, prompt length, ratio, batch)."""
     rows = []
-    for model, result in bench.get("models", {}).items():
-        for prompt_len, part in (result.get("by_prompt_len") or {result.get("prompt_len"): result}).items():
-            for name, by_batch in (part.get("paired") or {}).items():
-                for batch, cell in by_batch.items():
-                    low, high, gap = cell.get("min"), cell.get("max"), cell.get("halves_differ")
-                    paired = cell.get("num_paired", 0)
-                    rows.append([model, prompt_len, batch, name.replace("/", " ÷ "), cell.get("median"),
-                                 "—" if low is None else f"{low:.3g}–{high:.3g}", cell.get("first_half"),
-                                 cell.get("second_half"), "—" if gap is None else f"{100 * gap:.1f} %",
-                                 cell.get("median_of_rates"),
-                                 f"{paired}/{paired + cell.get('num_missing', 0)}"])
+    for model, prompt_len, part in _bench_parts(bench):
+        for name, by_batch in (part.get("paired") or {}).items():
+            for batch, cell in by_batch.items():
+                low, high, gap = cell.get("min"), cell.get("max"), cell.get("halves_differ")
+                paired = cell.get("num_paired", 0)
+                rows.append([model, prompt_len, batch, name.replace("/", " ÷ "), cell.get("median"),
+                             "—" if low is None else f"{low:.3g}–{high:.3g}", cell.get("first_half"),
+                             cell.get("second_half"), "—" if gap is None else f"{100 * gap:.1f} %",
+                             cell.get("median_of_rates"),
+                             f"{paired}/{paired + cell.get('num_missing', 0)}"])
     if not rows:
         return []
     return ["", "### Decode throughput ratios per repetition (the two variants' rates of one repetition divided)", "",
@@ -389,12 +394,11 @@ def _spread_lines(bench: Mapping[str, Any]) -> list[str]:
     """One server's rate between repetitions (round_records.rate_spread), a row per (model, prompt length,
     variant, batch)."""
     rows = []
-    for model, result in bench.get("models", {}).items():
-        for prompt_len, part in (result.get("by_prompt_len") or {result.get("prompt_len"): result}).items():
-            for variant, by_batch in (part.get("rate_spread") or {}).items():
-                for batch, cell in by_batch.items():
-                    rows.append([model, prompt_len, batch, variant, cell["num_reps"], f"{cell['cv']:.3f}",
-                                 f"{cell['slowest']:.2f}", f"{cell['fastest']:.2f}"])
+    for model, prompt_len, part in _bench_parts(bench):
+        for variant, by_batch in (part.get("rate_spread") or {}).items():
+            for batch, cell in by_batch.items():
+                rows.append([model, prompt_len, batch, variant, cell["num_reps"], f"{cell['cv']:.3f}",
+                             f"{cell['slowest']:.2f}", f"{cell['fastest']:.2f}"])
     if not rows:
         return []
     return ["", "### Each server's rate between repetitions", "",

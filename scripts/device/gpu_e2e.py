@@ -178,7 +178,7 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
     if bad or "plain_eager" not in args.variants:
         parser.error(f"--variants: {bad or args.variants} invalid; expected plain_eager plus any of "
                      f"{', '.join(VARIANTS[1:] + STAGE_VARIANTS)} (plain_eager is the baseline of every comparison)")
-    num_servers = sum(2 if v in phases.serving.AFD_VARIANTS else 1 for v in args.variants)
+    num_servers = phases.serving.num_servers(args.variants)
     needed = phases.serving.cores_needed(num_servers)
     if args.pin_servers and needed > len(os.sched_getaffinity(0)):
         parser.error(f"--pin-servers: {num_servers} servers need {needed} cores ({phases.serving.CORES_PER_SERVER} "

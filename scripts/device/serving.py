@@ -163,6 +163,11 @@ def server_specs(variants: Sequence[str], settings: ServeSettings, *, afd_port: 
     return [ServerSpec(s.name, s.variant, (*s.args, *settings.extra_args), s.env, s.needs) for s in specs]
 
 
+def num_servers(variants: Sequence[str]) -> int:
+    """Processes `server_specs` starts for `variants`: an FFN and an attention per AFD variant, one otherwise."""
+    return sum(2 if variant in AFD_VARIANTS else 1 for variant in variants)
+
+
 def cores_needed(num_servers: int) -> int:
     """Cores `pin_cores` needs: CORES_PER_SERVER per server and one for the client."""
     return CORES_PER_SERVER * num_servers + 1

@@ -320,6 +320,18 @@ def test_server_specs_on_cpu_pin_roles_to_cores_and_refuse_graphs():
         serving.server_specs(["afd_graphs"], settings, afd_port=1)
 
 
+def test_num_servers_counts_the_processes_server_specs_starts():
+    variants = list(serving.VARIANT_SERVERS)
+    afd = [v for v in variants if v in serving.AFD_VARIANTS]
+    ports = {v: i for i, v in enumerate(afd)}
+
+    for k in range(1, len(variants) + 1):
+        chosen = variants[:k]
+        specs = serving.server_specs(chosen, serving.ServeSettings(),
+                                     afd_port={v: p for v, p in ports.items() if v in chosen})
+        assert serving.num_servers(chosen) == len(specs)
+
+
 def test_pin_cores_gives_each_server_cores_of_its_own_and_the_client_the_rest():
     specs = serving.server_specs(["plain_eager", "plain_graphs", "afd_ipc_graphs"], serving.ServeSettings(),
                                  afd_port=1)
