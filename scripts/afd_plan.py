@@ -23,7 +23,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from afd_planner.cost import CostModel
+from afd_planner.cost import EP_ALL2ALL, CostModel
 from afd_planner.links import LINKS, Link, parse_link
 from afd_planner.measure import (EXIT_CAPTURE_FAILED, LOAD_FORMATS, CaptureError, Grid, layers_through_first_moe,
                                  measure_profile, read_model_config)
@@ -74,7 +74,8 @@ def afd_commands(best: Candidate, model: str, link_name: str, host: str, port: i
             f"'{json.dumps({'afd': {'role': 'attention', **common}})}'"]
 
 
-def recommendation(result: Plan, model: str, link_name: str, host: str, port: int) -> str:
+def recommendation(result: Plan, model: str, link_name: str, host: str, port: int,
+                   ep_all2all: str = EP_ALL2ALL[0]) -> str:
     best, base = result.best_afd, result.baseline
     if result.afd_wins(AFD_MARGIN):
         assert best is not None
@@ -91,6 +92,8 @@ def recommendation(result: Plan, model: str, link_name: str, host: str, port: in
         flags = f"--tensor-parallel-size {result.gpus}"
     else:
         flags = f"--data-parallel-size {result.gpus} --enable-expert-parallel" if result.gpus > 1 else ""
+        if flags and ep_all2all != EP_ALL2ALL[0]:
+            flags += f" --all2all-backend {ep_all2all}"
     lines = [f"Stay colocated: {why}.", "", f"vllm serve {model} {flags}".rstrip()]
     if best is not None and best.meets_tpot:
         lines += ["", f"AFD {best.label} anyway (FFN role, then attention role):", "",
@@ -109,7 +112,7 @@ def _model(args: argparse.Namespace):
     if args.gpus_per_host is not None and args.gpus_per_host < 1:
         raise SystemExit(f"afd_plan: --gpus-per-host must be >= 1, got {args.gpus_per_host}")
     model = CostModel.from_profile(profile, link, collective, gpus_per_host=args.gpus_per_host or 0,
-                                   host_link=args.host_link)
+                                   host_link=args.host_link, ep_all2all=args.ep_all2all)
     return profile, model, link, collective
 
 
@@ -141,14 +144,16 @@ def cmd_plan(args: argparse.Namespace) -> int:
     bound = f"{args.tpot_ms:g} ms" if args.tpot_ms else "none"
     print(f"{profile.model.name or 'model'} on {args.gpus} x {profile.device or 'GPU'}: {profile.model.num_layers} "
           f"layers, context {context}, TPOT bound {bound}, A<->F wire {wire}, "
-          f"collectives {collective.name}{_hosts(model)}; batch 1..{args.max_batch} per rank"
+          f"collectives {collective.name}{_hosts(model)}, colocated EP {model.ep_all2all}; "
+          f"batch 1..{args.max_batch} per rank"
           f"{f', and what fits in {memory.device_gib:g} GiB per GPU' if memory else ' (no memory in the profile)'}")
     print()
     print(table(result))
     print()
     # the connector the printed commands name: the host's link's where the deployment fits one host
     link_name = args.host_link.name if model.in_one_host(args.gpus) else args.link or "nvlink"
-    print(recommendation(result, args.model or profile.model.name or "MODEL", link_name, args.host, args.port))
+    print(recommendation(result, args.model or profile.model.name or "MODEL", link_name, args.host, args.port,
+                         model.ep_all2all))
     return 0
 
 
@@ -283,6 +288,10 @@ def parser() -> argparse.ArgumentParser:
                             "on --link, between hosts")
         p.add_argument("--host-link", default="nvlink", type=_host_link,
                        help="the wire inside a host, with --gpus-per-host (default nvlink)")
+        p.add_argument("--ep-all2all", choices=EP_ALL2ALL, default=EP_ALL2ALL[0],
+                       help="the colocated DP x EP's --all2all-backend: allgather_reducescatter (vLLM's default, "
+                            "two rings a layer) or deepep_low_latency (one-shot all-to-all kernels); AFD's FFN pool "
+                            "runs the first (default allgather_reducescatter)")
 
     p = sub.add_parser("plan", help="rank colocated vLLM and AFD splits on N GPUs")
     profile_args(p)

@@ -6,6 +6,8 @@ Per layer, ms:
   FFN       f(T, e) = f_w touched(T, e) + f0 + f_t T k e / E  (weight reads of the experts touched, plus rows)
             touched(T, e) = e (1 - (1 - k/E)^T): expected experts of a rank's e hit by T tokens' top-k
   wire      the profile's transport samples (latency + bytes x slope), or a `Link`
+  EP        colocated DP x EP: vLLM's allgather_reducescatter (two rings), or one-shot all-to-all kernels
+            (deepep_low_latency: every row to each rank holding one of its experts, all ranks at once)
 All coefficients are non-negative least squares; a fit with fewer samples than terms keeps the first terms
 (a flat line from one sample, as stage_model.fit_linear).  Stages overlap as stage_model.simulate_layers.
 """
@@ -20,7 +22,11 @@ from stage_model import Linear, fit_linear, simulate_layers
 from .links import LINKS, Link
 from .profile import ModelShape, Profile
 
-__all__ = ["CostModel", "fit_nonneg", "touched_experts"]
+__all__ = ["EP_ALL2ALL", "CostModel", "fit_nonneg", "touched_experts"]
+
+# vLLM's --all2all-backend values the colocated DP x EP is modelled for; the first is vLLM's default and the
+# one AFD's FFN pool runs (docs/config.md#ffn-data-parallelism).
+EP_ALL2ALL = ("allgather_reducescatter", "deepep_low_latency")
 
 
 def _solve(matrix: list[list[float]], rhs: list[float]) -> list[float] | None:
@@ -87,10 +93,14 @@ class CostModel:
     # A<->F exchange of a deployment that fits one host, run on `host_link`; the rest on the links above.
     gpus_per_host: int = 0
     host_link: Link = LINKS["nvlink"]
+    ep_all2all: str = EP_ALL2ALL[0]  # the colocated DP x EP's dispatch and combine
+
+    def __post_init__(self) -> None:
+        assert self.ep_all2all in EP_ALL2ALL, self.ep_all2all
 
     @classmethod
     def from_profile(cls, profile: Profile, link: Link | None, collective_link: Link, *, gpus_per_host: int = 0,
-                     host_link: Link = LINKS["nvlink"]) -> CostModel:
+                     host_link: Link = LINKS["nvlink"], ep_all2all: str = EP_ALL2ALL[0]) -> CostModel:
         shape = profile.model
         a = fit_nonneg([[1.0, s.batch, s.batch * s.context] for s in profile.attention],
                        [s.ms for s in profile.attention])
@@ -101,7 +111,7 @@ class CostModel:
                    transport=_nonneg_line([(s.bytes, s.ms) for s in profile.transport]),
                    step=_nonneg_line([(s.batch, s.ms) for s in profile.step]),
                    afd_step_extra_ms=profile.afd_step_extra_ms, link=link, collective_link=collective_link,
-                   gpus_per_host=gpus_per_host, host_link=host_link)
+                   gpus_per_host=gpus_per_host, host_link=host_link, ep_all2all=ep_all2all)
 
     def attention(self, batch: float, context: int) -> float:
         a0, a1, a2 = self.attention_coef
@@ -130,6 +140,28 @@ class CostModel:
         link = self.host_link if self.in_one_host(ranks) else self.collective_link
         return (ranks - 1) * link.one_way_ms(self.shape.activation_bytes(rows_per_rank))
 
+    def all_to_all(self, ranks: int, rows_per_rank: float) -> float:
+        """One dispatch (or combine) of `rows_per_rank` rows from each of `ranks` ranks, each row sent once to every
+        other rank holding one of its top-k experts (uniform routing), all ranks and peers at once: one message's
+        latency and the bytes of the busier of a rank's two links, the host's and (beyond a host) the one between."""
+        hit = 1.0 - (1.0 - 1.0 / ranks) ** self.shape.top_k  # a peer holds one of a row's experts
+        peers_in_host = min(ranks, self.gpus_per_host or ranks) - 1
+        peers_beyond = ranks - 1 - peers_in_host
+
+        def leg(link: Link, peers: int) -> float:
+            return link.one_way_ms(self.shape.activation_bytes(rows_per_rank * peers * hit)) if peers else 0.0
+
+        inside = self.host_link if self.gpus_per_host else self.collective_link
+        return max(leg(inside, peers_in_host), leg(self.collective_link, peers_beyond))
+
+    def ep_exchange(self, ranks: int, rows_per_rank: float) -> float:
+        """The colocated DP x EP's dispatch and combine of one layer over `ranks` ranks (`ep_all2all`)."""
+        if ranks == 1:
+            return 0.0
+        if self.ep_all2all == "deepep_low_latency":
+            return 2 * self.all_to_all(ranks, rows_per_rank)
+        return 2 * self.gather(ranks, rows_per_rank)
+
     def step_fixed(self, batch: float) -> float:
         return self.step(batch)
 
@@ -137,9 +169,8 @@ class CostModel:
 
     def colocated_dp_ep_ms(self, gpus: int, batch: int, context: int) -> float:
         """DP x EP over `gpus`: each rank attends its `batch`, gathers every rank's rows, runs its E/N experts."""
-        layer = self.attention(batch, context) + self.ffn(gpus * batch, self.shape.num_experts / gpus)
-        if gpus > 1:
-            layer += 2 * self.gather(gpus, batch)
+        layer = (self.attention(batch, context) + self.ffn(gpus * batch, self.shape.num_experts / gpus)
+                 + self.ep_exchange(gpus, batch))
         return self.shape.num_layers * layer + self.step_fixed(batch)
 
     def colocated_tp_ms(self, gpus: int, batch: int, context: int) -> float:

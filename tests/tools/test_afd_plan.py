@@ -214,12 +214,56 @@ def test_a_two_host_afd_split_gathers_its_ffn_pool_over_nvlink():
 def test_the_cli_plans_hosts_and_refuses_a_bad_host_count_or_link(tmp_path, capsys):
     profile = write(tmp_path, toy(**FLAT))
     afd_plan.main(["plan", profile, "--gpus", "16", "--link", "ib", "--gpus-per-host", "8"])
-    assert "collectives ib; hosts of 8 GPUs joined by it, nvlink inside a host;" in capsys.readouterr().out
+    assert ("collectives ib; hosts of 8 GPUs joined by it, nvlink inside a host, colocated EP allgather_reducescatter;"
+            in capsys.readouterr().out)
     with pytest.raises(SystemExit, match="--gpus-per-host must be >= 1, got 0"):
         afd_plan.main(["plan", profile, "--gpus", "16", "--gpus-per-host", "0"])
     with pytest.raises(SystemExit):
         afd_plan.main(["plan", profile, "--gpus", "16", "--host-link", "fast"])
     assert "--host-link 'fast': expected one of" in capsys.readouterr().err
+
+
+def test_an_all_to_all_sends_each_row_once_to_the_peers_holding_its_experts():
+    """deepep_low_latency: one message's latency, the bytes of the busier of a rank's two links, by hand."""
+    ib, nvlink = LINKS["ib"], LINKS["nvlink"]
+    body = toy(**FLAT)  # top-2 of 8 experts, hidden 512 bf16: 1 KiB a row
+    hosts = CostModel.from_profile(parse_profile(body), ib, ib, gpus_per_host=8, ep_all2all="deepep_low_latency")
+    hit = 1 - (1 - 1 / 16) ** 2  # a peer of 16 holds one of a row's two experts
+    inside, beyond = nvlink.one_way_ms(4 * 7 * hit * 1024), ib.one_way_ms(4 * 8 * hit * 1024)
+    assert hosts.all_to_all(16, 4) == pytest.approx(max(inside, beyond)) == pytest.approx(beyond)
+    assert hosts.all_to_all(4, 4) == pytest.approx(nvlink.one_way_ms(4 * 3 * (1 - 0.75 ** 2) * 1024))
+    flat = CostModel.from_profile(parse_profile(body), ib, ib, ep_all2all="deepep_low_latency")
+    assert flat.all_to_all(4, 4) == pytest.approx(ib.one_way_ms(4 * 3 * (1 - 0.75 ** 2) * 1024))
+    assert flat.ep_exchange(1, 4) == 0.0 and flat.ep_exchange(4, 4) == pytest.approx(2 * flat.all_to_all(4, 4))
+    ring = model_of(body, ib)
+    assert ring.ep_exchange(4, 4) == pytest.approx(2 * ring.gather(4, 4))  # vLLM's default: the two rings
+
+
+def test_all_to_all_kernels_lift_a_colocated_baseline_on_many_ranks_and_leave_the_afd_splits():
+    """Over 32 GPUs in four hosts the rings pay 31 hops of ib latency a collective; the all-to-all one."""
+    body = toy(**FLAT)
+
+    def model(ep_all2all):
+        return CostModel.from_profile(parse_profile(body), LINKS["ib"], LINKS["ib"], gpus_per_host=8,
+                                      ep_all2all=ep_all2all)
+
+    ring, a2a = model("allgather_reducescatter"), model("deepep_low_latency")
+    assert a2a.colocated_dp_ep_ms(32, 16, 0) < ring.colocated_dp_ep_ms(32, 16, 0) / 2
+    assert a2a.colocated_dp_ep_ms(1, 16, 0) == ring.colocated_dp_ep_ms(1, 16, 0)
+    assert a2a.afd_ms(24, 8, 1, 16, 0) == ring.afd_ms(24, 8, 1, 16, 0)  # AFD's FFN pool runs the rings
+    with pytest.raises(AssertionError):
+        CostModel.from_profile(parse_profile(body), None, LINKS["nvlink"], ep_all2all="pplx")
+
+
+def test_the_cli_prints_the_colocated_all2all_backend_it_planned_for(tmp_path, capsys):
+    profile = write(tmp_path, toy(**FLAT))
+    afd_plan.main(["plan", profile, "--gpus", "4", "--link", "nvlink", "--ep-all2all", "deepep_low_latency"])
+    out = capsys.readouterr().out
+    assert "colocated EP deepep_low_latency;" in out
+    assert "--data-parallel-size 4 --enable-expert-parallel --all2all-backend deepep_low_latency" in out
+    assert "--all2all-backend" not in out.split("anyway")[-1]  # AFD's commands keep vLLM's default
+    with pytest.raises(SystemExit):
+        afd_plan.main(["plan", profile, "--gpus", "4", "--ep-all2all", "pplx"])
 
 
 # --- the CLI: table and recommendation ---
