@@ -168,7 +168,7 @@ class CostModel:
     # --- the decode step of each deployment, ms (one TPOT) ---
 
     def colocated_dp_ep_ms(self, gpus: int, batch: int, context: int) -> float:
-        """DP x EP over `gpus`: each rank attends its `batch`, gathers every rank's rows, runs its E/N experts."""
+        """DP x EP over `gpus`: each rank attends its `batch`, exchanges rows (`ep_exchange`), runs its E/N experts."""
         layer = (self.attention(batch, context) + self.ffn(gpus * batch, self.shape.num_experts / gpus)
                  + self.ep_exchange(gpus, batch))
         return self.shape.num_layers * layer + self.step_fixed(batch)
