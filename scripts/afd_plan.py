@@ -154,6 +154,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     link_name = args.host_link.name if model.in_one_host(args.gpus) else args.link or "nvlink"
     print(recommendation(result, args.model or profile.model.name or "MODEL", link_name, args.host, args.port,
                          model.ep_all2all))
+    if result.afd_wins(AFD_MARGIN) and args.gpus > 1 and model.ep_all2all == EP_ALL2ALL[0]:
+        print(f"\nThis gain is over a colocated DP x EP on vLLM's default {EP_ALL2ALL[0]}; if yours would run "
+              f"all-to-all kernels (DeepEP), plan again with --ep-all2all {EP_ALL2ALL[1]} "
+              "(docs/planner.md#against-all-to-all-ep-kernels).")
     return 0
 
 

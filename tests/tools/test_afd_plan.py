@@ -255,6 +255,16 @@ def test_all_to_all_kernels_lift_a_colocated_baseline_on_many_ranks_and_leave_th
         CostModel.from_profile(parse_profile(body), None, LINKS["nvlink"], ep_all2all="pplx")
 
 
+def test_an_afd_recommendation_over_the_rings_says_to_plan_again_with_all_to_all_kernels(tmp_path, capsys):
+    profile = write(tmp_path, toy(**FLAT))
+    afd_plan.main(["plan", profile, "--gpus", "4", "--link", "eth"])
+    assert "Run AFD 3A:1F" in (out := capsys.readouterr().out) and "--ep-all2all deepep_low_latency" in out
+    afd_plan.main(["plan", profile, "--gpus", "4", "--link", "nvlink"])
+    assert "Stay colocated" in (out := capsys.readouterr().out) and "plan again" not in out
+    afd_plan.main(["plan", profile, "--gpus", "4", "--link", "eth", "--ep-all2all", "deepep_low_latency"])
+    assert "plan again" not in capsys.readouterr().out
+
+
 def test_the_cli_prints_the_colocated_all2all_backend_it_planned_for(tmp_path, capsys):
     profile = write(tmp_path, toy(**FLAT))
     afd_plan.main(["plan", profile, "--gpus", "4", "--link", "nvlink", "--ep-all2all", "deepep_low_latency"])
