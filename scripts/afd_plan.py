@@ -23,7 +23,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from afd_planner.cost import EP_ALL2ALL, CostModel
+from afd_planner.cost import EP_ALL2ALL, EP_ALL_TO_ALL, EP_RINGS, CostModel
 from afd_planner.links import LINKS, Link, parse_link
 from afd_planner.measure import (EXIT_CAPTURE_FAILED, LOAD_FORMATS, CaptureError, Grid, layers_through_first_moe,
                                  measure_profile, read_model_config)
@@ -75,7 +75,7 @@ def afd_commands(best: Candidate, model: str, link_name: str, host: str, port: i
 
 
 def recommendation(result: Plan, model: str, link_name: str, host: str, port: int,
-                   ep_all2all: str = EP_ALL2ALL[0]) -> str:
+                   ep_all2all: str = EP_RINGS) -> str:
     best, base = result.best_afd, result.baseline
     if result.afd_wins(AFD_MARGIN):
         assert best is not None
@@ -83,7 +83,12 @@ def recommendation(result: Plan, model: str, link_name: str, host: str, port: in
         lines = [f"Run AFD {best.label} with {best.num_stages} stage(s): {ratio:.2f}x "
                  f"the colocated {base.label} per GPU (batch {best.batch} per attention rank, TPOT "
                  f"{best.step_ms:.2f} ms).", "", "FFN role, then attention role (either may start first):", ""]
-        return "\n".join(lines + afd_commands(best, model, link_name, host, port))
+        lines += afd_commands(best, model, link_name, host, port)
+        if result.gpus > 1 and ep_all2all == EP_RINGS:
+            lines += ["", f"This gain is over a colocated DP x EP on vLLM's default {EP_RINGS}; if yours would run "
+                      f"all-to-all kernels (DeepEP), plan again with --ep-all2all {EP_ALL_TO_ALL} "
+                      "(docs/planner.md#against-all-to-all-ep-kernels)."]
+        return "\n".join(lines)
     why = ("no AFD split meets the TPOT bound" if best is None or not best.meets_tpot else
            f"the best AFD split ({best.label}, {best.num_stages} stage(s)) reaches "
            f"{best.tok_s_per_gpu / base.tok_s_per_gpu:.2f}x the colocated {base.label} per GPU; AFD is recommended "
@@ -92,7 +97,7 @@ def recommendation(result: Plan, model: str, link_name: str, host: str, port: in
         flags = f"--tensor-parallel-size {result.gpus}"
     else:
         flags = f"--data-parallel-size {result.gpus} --enable-expert-parallel" if result.gpus > 1 else ""
-        if flags and ep_all2all != EP_ALL2ALL[0]:
+        if flags and ep_all2all != EP_RINGS:
             flags += f" --all2all-backend {ep_all2all}"
     lines = [f"Stay colocated: {why}.", "", f"vllm serve {model} {flags}".rstrip()]
     if best is not None and best.meets_tpot:
@@ -154,10 +159,6 @@ def cmd_plan(args: argparse.Namespace) -> int:
     link_name = args.host_link.name if model.in_one_host(args.gpus) else args.link or "nvlink"
     print(recommendation(result, args.model or profile.model.name or "MODEL", link_name, args.host, args.port,
                          model.ep_all2all))
-    if result.afd_wins(AFD_MARGIN) and args.gpus > 1 and model.ep_all2all == EP_ALL2ALL[0]:
-        print(f"\nThis gain is over a colocated DP x EP on vLLM's default {EP_ALL2ALL[0]}; if yours would run "
-              f"all-to-all kernels (DeepEP), plan again with --ep-all2all {EP_ALL2ALL[1]} "
-              "(docs/planner.md#against-all-to-all-ep-kernels).")
     return 0
 
 
@@ -292,7 +293,7 @@ def parser() -> argparse.ArgumentParser:
                             "on --link, between hosts")
         p.add_argument("--host-link", default="nvlink", type=_host_link,
                        help="the wire inside a host, with --gpus-per-host (default nvlink)")
-        p.add_argument("--ep-all2all", choices=EP_ALL2ALL, default=EP_ALL2ALL[0],
+        p.add_argument("--ep-all2all", choices=EP_ALL2ALL, default=EP_RINGS,
                        help="the colocated DP x EP's --all2all-backend: allgather_reducescatter (vLLM's default, "
                             "two rings a layer) or deepep_low_latency (one-shot all-to-all kernels); AFD's FFN pool "
                             "runs the first (default allgather_reducescatter)")

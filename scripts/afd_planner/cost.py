@@ -22,11 +22,13 @@ from stage_model import Linear, fit_linear, simulate_layers
 from .links import LINKS, Link
 from .profile import ModelShape, Profile
 
-__all__ = ["EP_ALL2ALL", "CostModel", "fit_nonneg", "touched_experts"]
+__all__ = ["EP_ALL2ALL", "EP_ALL_TO_ALL", "EP_RINGS", "CostModel", "fit_nonneg", "touched_experts"]
 
 # vLLM's --all2all-backend values the colocated DP x EP is modelled for; the first is vLLM's default and the
 # one AFD's FFN pool runs (docs/config.md#ffn-data-parallelism).
-EP_ALL2ALL = ("allgather_reducescatter", "deepep_low_latency")
+EP_RINGS = "allgather_reducescatter"
+EP_ALL_TO_ALL = "deepep_low_latency"
+EP_ALL2ALL = (EP_RINGS, EP_ALL_TO_ALL)
 
 
 def _solve(matrix: list[list[float]], rhs: list[float]) -> list[float] | None:
@@ -93,14 +95,14 @@ class CostModel:
     # A<->F exchange of a deployment that fits one host, run on `host_link`; the rest on the links above.
     gpus_per_host: int = 0
     host_link: Link = LINKS["nvlink"]
-    ep_all2all: str = EP_ALL2ALL[0]  # the colocated DP x EP's dispatch and combine
+    ep_all2all: str = EP_RINGS  # the colocated DP x EP's dispatch and combine
 
     def __post_init__(self) -> None:
         assert self.ep_all2all in EP_ALL2ALL, self.ep_all2all
 
     @classmethod
     def from_profile(cls, profile: Profile, link: Link | None, collective_link: Link, *, gpus_per_host: int = 0,
-                     host_link: Link = LINKS["nvlink"], ep_all2all: str = EP_ALL2ALL[0]) -> CostModel:
+                     host_link: Link = LINKS["nvlink"], ep_all2all: str = EP_RINGS) -> CostModel:
         shape = profile.model
         a = fit_nonneg([[1.0, s.batch, s.batch * s.context] for s in profile.attention],
                        [s.ms for s in profile.attention])
@@ -158,7 +160,7 @@ class CostModel:
         """The colocated DP x EP's dispatch and combine of one layer over `ranks` ranks (`ep_all2all`)."""
         if ranks == 1:
             return 0.0
-        if self.ep_all2all == "deepep_low_latency":
+        if self.ep_all2all == EP_ALL_TO_ALL:
             return 2 * self.all_to_all(ranks, rows_per_rank)
         return 2 * self.gather(ranks, rows_per_rank)
 
