@@ -23,7 +23,9 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+from afd_planner import launch
 from afd_planner.cost import EP_ALL2ALL, EP_ALL_TO_ALL, EP_RINGS, CostModel
+from afd_planner.launch import Cluster
 from afd_planner.links import LINKS, Link, parse_link
 from afd_planner.measure import (EXIT_CAPTURE_FAILED, LOAD_FORMATS, CaptureError, Grid, layers_through_first_moe,
                                  measure_profile, read_model_config)
@@ -31,7 +33,6 @@ from afd_planner.profile import ProfileError, StepSample, load_profile
 from afd_planner.search import Candidate, Plan, plan
 
 AFD_MARGIN = 0.05  # AFD must beat the baseline by more than this share: the model's own error is about that
-ONE_NODE_LINKS = ("nvlink", "pcie")
 FIRST_MOE = "first-moe"  # --layers: build up to the first MoE layer
 
 
@@ -55,27 +56,25 @@ def table(result: Plan) -> str:
     return "\n".join(lines)
 
 
-def afd_commands(best: Candidate, model: str, link_name: str, host: str, port: int) -> list[str]:
-    """`vllm serve` of the FFN and the attention role for one AFD split (docs/config.md's keys)."""
-    connector = "P2pIpcAFDConnector" if link_name in ONE_NODE_LINKS else "P2pNcclAFDConnector"
-    x, y = best.attention_ranks, best.ffn_ranks
-    common = {"num_attention_ranks": x, "num_ffn_ranks": y, "num_stages": best.num_stages,
-              "connector": connector, "host": host, "port": port}
-    ffn = {"role": "ffn", **common}
-    # FFN DP > 1 runs eager, with reform_timeout_s 0, and the graph mode must match on both roles (config.md).
-    graphs = "--enforce-eager" if y > 1 else "--compilation-config '{\"cudagraph_mode\": \"FULL_DECODE_ONLY\"}'"
-    if y > 1:
-        ffn["reform_timeout_s"] = 0
-    ffn_dp = f" --data-parallel-size {y} --enable-expert-parallel" if y > 1 else ""
-    attention_dp = f" --data-parallel-size {x}" if x > 1 else ""
-    return [f"vllm serve {model} --port 8001{ffn_dp} {graphs} \\\n  --additional-config "
-            f"'{json.dumps({'afd': ffn})}'",
-            f"vllm serve {model} --port 8000{attention_dp} {graphs} \\\n  --additional-config "
-            f"'{json.dumps({'afd': {'role': 'attention', **common}})}'"]
+def afd_commands(best: Candidate, model: str, cluster: Cluster, port: int) -> list[str]:
+    """`vllm serve` of the FFN and the attention role for one AFD split, one per host (afd_planner/launch.py)."""
+    return launch.afd_commands(best.attention_ranks, best.ffn_ranks, best.num_stages, model, cluster, port)
 
 
-def recommendation(result: Plan, model: str, link_name: str, host: str, port: int,
-                   ep_all2all: str = EP_RINGS) -> str:
+def _across_hosts(cluster: Cluster) -> list[str]:
+    """What a deployment on several hosts needs beyond its commands."""
+    if cluster.num_hosts == 1:
+        return []
+    named = "" if cluster.addresses else (" Hosts are named host0, host1, ...: pass --hosts with their addresses "
+                                          "(vLLM's --data-parallel-address and --master-addr take an address).")
+    per_host = f"hosts of {cluster.gpus_per_host}" if cluster.gpus_per_host > 1 else "hosts of one GPU each, as priced"
+    return ["", f"The commands place {cluster.gpus} GPUs on {cluster.num_hosts} {per_host}.{named} Give both roles "
+            "the same secret across hosts (secret_file or VLLM_AFD_SECRET, docs/security.md) and, where a host's "
+            "name resolves to loopback, GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME "
+            "(docs/operations.md#pools-across-hosts)."]
+
+
+def recommendation(result: Plan, model: str, cluster: Cluster, port: int, ep_all2all: str = EP_RINGS) -> str:
     best, base = result.best_afd, result.baseline
     if result.afd_wins(AFD_MARGIN):
         assert best is not None
@@ -83,7 +82,7 @@ def recommendation(result: Plan, model: str, link_name: str, host: str, port: in
         lines = [f"Run AFD {best.label} with {best.num_stages} stage(s): {ratio:.2f}x "
                  f"the colocated {base.label} per GPU (batch {best.batch} per attention rank, TPOT "
                  f"{best.step_ms:.2f} ms).", "", "FFN role, then attention role (either may start first):", ""]
-        lines += afd_commands(best, model, link_name, host, port)
+        lines += afd_commands(best, model, cluster, port) + _across_hosts(cluster)
         if result.gpus > 1 and ep_all2all == EP_RINGS:
             lines += ["", f"This gain is over a colocated DP x EP on vLLM's default {EP_RINGS}; if yours would run "
                       f"all-to-all kernels (DeepEP), plan again with --ep-all2all {EP_ALL_TO_ALL} "
@@ -93,17 +92,13 @@ def recommendation(result: Plan, model: str, link_name: str, host: str, port: in
            f"the best AFD split ({best.label}, {best.num_stages} stage(s)) reaches "
            f"{best.tok_s_per_gpu / base.tok_s_per_gpu:.2f}x the colocated {base.label} per GPU; AFD is recommended "
            f"above {1 + AFD_MARGIN:.2f}x (the model's error)")
-    if base.label.startswith("TP"):
-        flags = f"--tensor-parallel-size {result.gpus}"
-    else:
-        flags = f"--data-parallel-size {result.gpus} --enable-expert-parallel" if result.gpus > 1 else ""
-        if flags and ep_all2all != EP_RINGS:
-            flags += f" --all2all-backend {ep_all2all}"
-    lines = [f"Stay colocated: {why}.", "", f"vllm serve {model} {flags}".rstrip()]
+    backend = ep_all2all if ep_all2all != EP_RINGS else None
+    lines = [f"Stay colocated: {why}.", "",
+             *launch.colocated_commands(base.label, result.gpus, model, cluster, backend)]
     if best is not None and best.meets_tpot:
         lines += ["", f"AFD {best.label} anyway (FFN role, then attention role):", "",
-                  *afd_commands(best, model, link_name, host, port)]
-    return "\n".join(lines)
+                  *afd_commands(best, model, cluster, port)]
+    return "\n".join(lines + _across_hosts(cluster))
 
 
 def _model(args: argparse.Namespace):
@@ -141,6 +136,10 @@ def _memory(profile, device_gib: float | None):
 
 def cmd_plan(args: argparse.Namespace) -> int:
     profile, model, link, collective = _model(args)
+    cluster = Cluster.of(args.gpus, model.gpus_per_host, link.name if link else None, model.host_link.name,
+                         args.hosts)
+    if problem := cluster.problem():
+        raise SystemExit(f"afd_plan: {problem}")
     context = args.context if args.context is not None else max(s.context for s in profile.attention)
     memory = _memory(profile, args.device_gib)
     result = plan(model, args.gpus, context, args.tpot_ms, args.max_batch, args.min_tokens_per_stage,
@@ -155,10 +154,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print()
     print(table(result))
     print()
-    # the connector the printed commands name: the host's link's where the deployment fits one host
-    link_name = args.host_link.name if model.in_one_host(args.gpus) else args.link or "nvlink"
-    print(recommendation(result, args.model or profile.model.name or "MODEL", link_name, args.host, args.port,
-                         model.ep_all2all))
+    print(recommendation(result, args.model or profile.model.name or "MODEL", cluster, args.port, model.ep_all2all))
     return 0
 
 
@@ -205,6 +201,13 @@ def _sizes(text: str, name: str, minimum: int) -> tuple[int, ...]:
     if min(values) < minimum:
         raise SystemExit(f"afd_plan: --{name} values must be >= {minimum}, got {text!r}")
     return values
+
+
+def _addresses(text: str) -> tuple[str, ...]:
+    addresses = tuple(a.strip() for a in text.split(","))
+    if not all(addresses):
+        raise argparse.ArgumentTypeError(f"expected comma-separated host addresses, got {text!r}")
+    return addresses
 
 
 def _host_link(text: str) -> Link:
@@ -308,7 +311,9 @@ def parser() -> argparse.ArgumentParser:
                    help="GiB per GPU instead of the profile's device (its timings stay the profiled card's): "
                         "what fits on a card with more or less memory")
     p.add_argument("--model", help="model path for the printed commands (default: the profile's model name)")
-    p.add_argument("--host", default="127.0.0.1", help="FFN rank 0's address for the printed config")
+    p.add_argument("--hosts", type=_addresses, default=(),
+                   help="the hosts' addresses, comma-separated, for the printed commands: host 0 holds FFN rank 0 "
+                        "(the AFD store); default 127.0.0.1 on one host, else host0, host1, ...")
     p.add_argument("--port", type=int, default=6390, help="the rendezvous port for the printed config")
     p.set_defaults(run=cmd_plan)
 

@@ -9,6 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import afd_plan
+from afd_planner.launch import Cluster
 from afd_planner.cost import CostModel, fit_nonneg, touched_experts
 from afd_planner.links import LINKS, parse_link
 from afd_planner.profile import parse_profile
@@ -297,19 +298,20 @@ def test_slow_collectives_make_afd_win_and_nvlink_keeps_colocated():
 
 def test_plan_prints_the_baseline_first_then_the_recommendation(tmp_path, capsys):
     assert afd_plan.main(["plan", write(tmp_path, toy(**FLAT)), "--gpus", "4", "--link", "eth", "--max-batch",
-                          "64", "--host", "10.0.0.5", "--port", "7000"]) == 0
+                          "64", "--hosts", "10.0.0.5,10.0.0.6,10.0.0.7,10.0.0.8", "--port", "7000"]) == 0
     out = capsys.readouterr().out
     rows = [line for line in out.splitlines() if line.startswith("| ") and "deployment" not in line]
     assert rows[0].startswith("| colocated DP x EP 4 (baseline) | 1 | 64 (max) |")
     assert [r.split(" | ")[0] for r in rows[2:]] == ["| AFD 3A:1F", "| AFD 2A:2F"]
     assert "Run AFD 3A:1F with 3 stage(s)" in out
     configs = [json.loads(line.split("'")[1])["afd"] for line in out.splitlines() if "--additional-config" in line]
-    assert [c["role"] for c in configs] == ["ffn", "attention"]
+    assert [c["role"] for c in configs] == ["ffn", "attention", "attention", "attention"]  # a GPU per host
     for config in configs:
         assert {k: v for k, v in config.items() if k != "role"} == {
             "num_attention_ranks": 3, "num_ffn_ranks": 1, "num_stages": 3, "connector": "P2pNcclAFDConnector",
             "host": "10.0.0.5", "port": 7000}
-    assert "--port 8000 --data-parallel-size 3 --compilation-config" in out
+    assert ("--port 8000 --data-parallel-size 3 --data-parallel-size-local 1 --data-parallel-address 10.0.0.6 "
+            "--data-parallel-rpc-port 13346 --compilation-config") in out
 
 
 def test_a_split_that_fits_one_host_is_recommended_over_its_ipc_connector(tmp_path, capsys):
@@ -336,7 +338,8 @@ def test_plan_says_stay_colocated_with_the_colocated_command(tmp_path, capsys):
 def test_an_ffn_pool_is_recommended_eager_with_expert_parallelism(tmp_path):
     result = plan(model_of(toy()), gpus=4, context=0, max_batch=8)
     pool = next(c for c in result.afd if c.ffn_ranks == 2)
-    ffn, attention = afd_plan.afd_commands(pool, "M", "ib", "h", 1)
+    lines = afd_plan.afd_commands(pool, "M", Cluster.of(4, 2, "ib", "nvlink", ("h", "g")), 1)  # a host per role
+    ffn, attention = (line for line in lines if not line.startswith("# "))
     assert "--data-parallel-size 2 --enable-expert-parallel --enforce-eager" in ffn
     assert '"reform_timeout_s": 0' in ffn and "P2pNcclAFDConnector" in attention and "--enforce-eager" in attention
 

@@ -1,0 +1,184 @@
+"""afd_planner/launch.py: the printed `vllm serve` commands place every rank once, and vLLM's own parser takes them."""
+
+from __future__ import annotations
+
+import json
+import shlex
+
+import pytest
+from hypothesis import example, given
+from hypothesis import strategies as st
+
+import afd_plan
+from afd_planner.launch import Cluster, afd_commands, colocated_commands, place
+from tests.tools.test_afd_plan import FLAT, toy, write
+
+
+@given(st.integers(1, 40), st.integers(1, 40), st.integers(1, 16))
+@example(attention=9, ffn=7, gpus_per_host=8)  # a host holding both roles
+def test_every_rank_takes_one_gpu_of_one_host(attention, ffn, gpus_per_host):
+    shares = place([("ffn", ffn), ("attention", attention)], gpus_per_host)
+    slots = [(s.host, g) for s in shares for g in s.gpus]
+    assert len(slots) == len(set(slots)) == attention + ffn
+    assert all(0 <= g < gpus_per_host for _, g in slots)
+    for role, ranks in (("ffn", ffn), ("attention", attention)):
+        mine = [s for s in shares if s.role == role]
+        assert [r for s in mine for r in range(s.start_rank, s.start_rank + len(s.gpus))] == list(range(ranks))
+    assert min(s.host for s in shares if s.role == "attention") >= max(s.host for s in shares if s.role == "ffn")
+    assert shares[0].role == "ffn" and shares[0].host == 0 and shares[0].gpus[0] == 0  # FFN rank 0 hosts the store
+
+
+@pytest.mark.parametrize(("gpus_per_host", "link", "hosts", "ipc"), [
+    (0, None, 1, True),        # the profile's own wire: one host
+    (0, "nvlink", 1, True),
+    (0, "pcie", 1, True),
+    (0, "ib", 8, False),       # every collective on --link: one GPU per host, as the cost model prices it
+    (4, "ib", 2, True),        # hosts of 4 with NVLink inside
+])
+def test_the_cluster_is_the_one_the_cost_model_prices(gpus_per_host, link, hosts, ipc):
+    cluster = Cluster.of(8, gpus_per_host, link, "nvlink")
+    assert (cluster.num_hosts, cluster.one_node_link) == (hosts, ipc)
+    assert cluster.address(0) == ("127.0.0.1" if hosts == 1 else "host0")
+
+
+def _parse(command: str):
+    """The engine args vLLM 0.30's `vllm serve` parser makes of one printed command, and its environment."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    words = shlex.split(command)
+    env = dict(w.split("=", 1) for w in words[:words.index("vllm")])
+    assert words[words.index("vllm") + 1] == "serve"
+    args = make_arg_parser(FlexibleArgumentParser()).parse_args(words[words.index("vllm") + 2:])
+    return args, EngineArgs.from_cli_args(args), env
+
+
+def _hosted(lines: list[str]) -> list[tuple[str, str]]:
+    """(host comment, command) pairs; one host: no comments."""
+    host, out = "", []
+    for line in lines:
+        if line.startswith("# "):
+            host = line[2:].split(":")[0]
+        else:
+            out.append((host, line.replace("\\\n", " ")))
+    return out
+
+
+def _check_afd(lines: list[str], attention: int, ffn: int, gpus_per_host: int, tmp_path) -> dict:
+    """Parse every command; each role's DP ranks come out 0..N-1 once; a host's roles own disjoint GPUs."""
+    pytest.importorskip("vllm")
+    from vllm_afd.config import parse_afd_config
+
+    ranks = {"ffn": [], "attention": []}
+    owned: dict[str, list[str]] = {}
+    configs = []
+    for host, command in _hosted(lines):
+        args, engine, env = _parse(command.replace(" M ", f" {tmp_path} ", 1))
+        config = parse_afd_config(engine)
+        configs.append(config)
+        size = engine.data_parallel_size
+        assert size == (ffn if config.role == "ffn" else attention)
+        local = engine.data_parallel_size_local or size
+        start = engine.data_parallel_start_rank or 0
+        ranks[config.role] += range(start, start + local)
+        assert args.headless == (start > 0)
+        assert (args.port in (8000, 8001)) or args.headless
+        visible = env.get("CUDA_VISIBLE_DEVICES", ",".join(map(str, range(local)))).split(",")
+        owned.setdefault(host, []).extend(visible[:local])
+        assert engine.enable_expert_parallel == (config.role == "ffn" and ffn > 1)
+    assert ranks == {"ffn": list(range(ffn)), "attention": list(range(attention))}
+    for gpus in owned.values():
+        assert len(gpus) == len(set(gpus)) <= gpus_per_host
+    assert len({(c.host, c.port, c.connector, c.num_stages) for c in configs}) == 1
+    return {"configs": configs}
+
+
+def test_one_host_gives_each_role_its_own_gpus_first(tmp_path):
+    lines = afd_commands(7, 1, 2, "M", Cluster.of(8, 0, "nvlink", "nvlink"), 6390)
+    assert lines[0].startswith("CUDA_VISIBLE_DEVICES=0,1,2,3,4,5,6,7 vllm serve M --port 8001 ")
+    assert lines[1].startswith("CUDA_VISIBLE_DEVICES=1,2,3,4,5,6,7,0 vllm serve M --port 8000 --data-parallel-size 7 ")
+    out = _check_afd(lines, 7, 1, 8, tmp_path)
+    assert {c.connector for c in out["configs"]} == {"P2pIpcAFDConnector"}
+    assert {c.host for c in out["configs"]} == {"127.0.0.1"}
+
+
+def test_an_ffn_pool_on_two_hosts_runs_a_front_and_a_headless_rank(tmp_path):
+    """operations.md's pool across hosts: FFN rank 0's host holds the store; the attention on hosts of its own."""
+    cluster = Cluster.of(16, 4, "ib", "nvlink", ("10.0.0.5", "10.0.0.6", "10.0.0.7", "10.0.0.8"))
+    lines = afd_commands(8, 8, 1, "M", cluster, 6390)
+    hosted = _hosted(lines)
+    assert [h for h, _ in hosted] == ["10.0.0.5", "10.0.0.6", "10.0.0.7", "10.0.0.8"]
+    assert ("--port 8001 --data-parallel-size 8 --data-parallel-size-local 4 --data-parallel-address 10.0.0.5 "
+            "--data-parallel-rpc-port 13345 --enable-expert-parallel --enforce-eager") in hosted[0][1]
+    assert "--headless --data-parallel-start-rank 4 --data-parallel-size 8 --data-parallel-size-local 4" in hosted[1][1]
+    assert ("--port 8000 --data-parallel-size 8 --data-parallel-size-local 4 --data-parallel-address 10.0.0.7 "
+            "--data-parallel-rpc-port 13346 --enforce-eager") in hosted[2][1]
+    assert "CUDA_VISIBLE_DEVICES" not in "".join(lines)
+    out = _check_afd(lines, 8, 8, 4, tmp_path)
+    assert {(c.host, c.connector, c.reform_timeout_s if c.role == "ffn" else 0) for c in out["configs"]} == {
+        ("10.0.0.5", "P2pNcclAFDConnector", 0)}
+
+
+def test_a_host_holding_both_roles_splits_its_gpus(tmp_path):
+    """9A:7F on hosts of 8: host 0 runs FFN ranks 0-6 and attention rank 0 (the attention's front)."""
+    lines = afd_commands(9, 7, 1, "M", Cluster.of(16, 8, "ib", "nvlink"), 6390)
+    hosted = _hosted(lines)
+    assert [h for h, _ in hosted] == ["host0", "host0", "host1"]
+    assert hosted[0][1].startswith("CUDA_VISIBLE_DEVICES=0,1,2,3,4,5,6,7 vllm serve M --port 8001 "
+                                   "--data-parallel-size 7 ")
+    assert hosted[1][1].startswith("CUDA_VISIBLE_DEVICES=7,0,1,2,3,4,5,6 vllm serve M --port 8000 "
+                                   "--data-parallel-size 9 --data-parallel-size-local 1 --data-parallel-address host0 ")
+    assert hosted[2][1].startswith("vllm serve M --headless --data-parallel-start-rank 1 --data-parallel-size 9 "
+                                   "--data-parallel-size-local 8 --data-parallel-address host0 "
+                                   "--data-parallel-rpc-port 13346")
+    _check_afd(lines, 9, 7, 8, tmp_path)
+
+
+@given(st.integers(1, 24), st.integers(1, 24), st.sampled_from([1, 2, 4, 8]))
+def test_every_split_prints_commands_that_place_each_rank_once(attention, ffn, gpus_per_host):
+    """Pure text, any A and F (the config's A >= F rule is the overlay's, checked where vLLM parses them above)."""
+    lines = afd_commands(attention, ffn, 1, "M", Cluster.of(attention + ffn, gpus_per_host, "ib", "nvlink"), 6390)
+    ranks = {"ffn": [], "attention": []}
+    for _, command in _hosted(lines):
+        config = json.loads(command.split("'")[-2])["afd"]
+        words = command.split()
+        size = int(words[words.index("--data-parallel-size") + 1]) if "--data-parallel-size" in words else 1
+        local = int(words[words.index("--data-parallel-size-local") + 1]) if "--data-parallel-size-local" in words \
+            else size
+        start = int(words[words.index("--data-parallel-start-rank") + 1]) if "--headless" in words else 0
+        ranks[config["role"]] += range(start, start + local)
+    assert ranks == {"ffn": list(range(ffn)), "attention": list(range(attention))}
+
+
+def test_colocated_commands_span_hosts_with_vllms_multi_node_flags(tmp_path):
+    pytest.importorskip("vllm")
+    cluster = Cluster.of(16, 8, "ib", "nvlink", ("10.0.0.1", "10.0.0.2"))
+    tp = colocated_commands("TP 16", 16, "M", cluster, None)
+    assert [line.splitlines()[1] for line in tp] == [
+        "vllm serve M --tensor-parallel-size 16 --nnodes 2 --node-rank 0 --master-addr 10.0.0.1",
+        "vllm serve M --tensor-parallel-size 16 --nnodes 2 --node-rank 1 --master-addr 10.0.0.1 --headless"]
+    dp = colocated_commands("DP x EP 16", 16, "M", cluster, "deepep_low_latency")
+    assert dp[1] == ("vllm serve M --data-parallel-size 16 --data-parallel-size-local 8 --data-parallel-address "
+                     "10.0.0.1 --data-parallel-rpc-port 13345 --enable-expert-parallel --all2all-backend "
+                     "deepep_low_latency")
+    for command in [line.splitlines()[1] for line in tp] + [dp[1], dp[3]]:
+        _, engine, _ = _parse(command.replace(" M ", f" {tmp_path} ", 1))
+        assert engine.tensor_parallel_size * engine.data_parallel_size == 16
+    assert colocated_commands("TP 4", 4, "M", Cluster.of(4, 8, "ib", "nvlink"), None) == [
+        "vllm serve M --tensor-parallel-size 4"]
+    assert "does not split evenly" in colocated_commands("TP 9", 9, "M", Cluster.of(9, 8, "ib", "nvlink"), None)[0]
+
+
+def test_plan_across_hosts_names_them_and_says_what_else_they_need(tmp_path, capsys):
+    profile = write(tmp_path, toy(**FLAT))
+    afd_plan.main(["plan", profile, "--gpus", "4", "--link", "eth", "--max-batch", "64"])
+    out = capsys.readouterr().out
+    assert "# host0: FFN DP rank 0, its API server" in out and "# host3: attention DP rank 2, headless" in out
+    assert "pass --hosts with their addresses" in out and "docs/security.md" in out
+    with pytest.raises(SystemExit, match="--hosts names 2 host.s. and the plan places its 4 GPUs on 4 hosts of 1"):
+        afd_plan.main(["plan", profile, "--gpus", "4", "--link", "eth", "--hosts", "10.0.0.1,10.0.0.2"])
+    with pytest.raises(SystemExit):
+        afd_plan.main(["plan", profile, "--gpus", "4", "--hosts", "10.0.0.1,,"])
+    afd_plan.main(["plan", profile, "--gpus", "4", "--link", "nvlink", "--max-batch", "64"])
+    assert "host0" not in (one_host := capsys.readouterr().out) and "--hosts" not in one_host
