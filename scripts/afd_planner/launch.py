@@ -132,16 +132,12 @@ def afd_commands(attention_ranks: int, ffn_ranks: int, num_stages: int, model: s
     configs = {"ffn": {"role": "ffn", **common, **({"reform_timeout_s": 0} if y > 1 else {})},
                "attention": {"role": "attention", **common}}
 
-    def build(role: str):
-        ep = " --enable-expert-parallel" if role == "ffn" and y > 1 else ""
+    def line(share: Share, env: str, dp: str) -> str:
+        ep = " --enable-expert-parallel" if share.role == "ffn" and y > 1 else ""
+        return (f"{env}vllm serve {model}{dp}{ep} {graphs} \\\n  --additional-config "
+                f"'{json.dumps({'afd': configs[share.role]})}'")
 
-        def line(share: Share, env: str, dp: str) -> str:
-            return (f"{env}vllm serve {model}{dp}{ep} {graphs} \\\n  --additional-config "
-                    f"'{json.dumps({'afd': configs[role]})}'")
-        return line
-
-    return (_commands(shares, "ffn", y, cluster, build("ffn"))
-            + _commands(shares, "attention", x, cluster, build("attention")))
+    return _commands(shares, "ffn", y, cluster, line) + _commands(shares, "attention", x, cluster, line)
 
 
 def colocated_commands(label: str, gpus: int, model: str, cluster: Cluster, ep_all2all: str | None) -> list[str]:
@@ -154,10 +150,11 @@ def colocated_commands(label: str, gpus: int, model: str, cluster: Cluster, ep_a
             return [f"vllm serve {model} --tensor-parallel-size {gpus}"]
         if gpus % hosts:
             return [f"# TP {gpus} does not split evenly over {hosts} hosts (vLLM's --nnodes needs an equal share)"]
-        head = cluster.address(0)
-        return [f"# {cluster.address(h)}: GPUs {gpus // hosts * h}-{gpus // hosts * (h + 1) - 1} of TP {gpus}\n"
-                f"vllm serve {model} --tensor-parallel-size {gpus} --nnodes {hosts} --node-rank {h} "
-                f"--master-addr {head}{' --headless' if h else ''}" for h in range(hosts)]
+        local = gpus // hosts
+        return [line for h in range(hosts) for line in (
+            f"# {cluster.address(h)}: GPUs {local * h}-{local * (h + 1) - 1} of TP {gpus}",
+            f"vllm serve {model} --tensor-parallel-size {gpus} --nnodes {hosts} --node-rank {h} "
+            f"--master-addr {cluster.address(0)}{' --headless' if h else ''}")]
     ep = " --enable-expert-parallel" if gpus > 1 else ""
     ep += f" --all2all-backend {ep_all2all}" if gpus > 1 and ep_all2all else ""
     return _commands(shares, "colocated", gpus, cluster,

@@ -42,15 +42,19 @@ def test_the_cluster_is_the_one_the_cost_model_prices(gpus_per_host, link, hosts
 
 
 def _parse(command: str):
-    """The engine args vLLM 0.30's `vllm serve` parser makes of one printed command, and its environment."""
+    """The engine args `vllm serve`'s own parser (as vLLM's CLI builds it) makes of one command, and its env."""
     from vllm.engine.arg_utils import EngineArgs
-    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.entrypoints.cli.serve import cmd_init
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
+    root = FlexibleArgumentParser()
+    subparsers = root.add_subparsers(dest="subparser")
+    for subcommand in cmd_init():
+        subcommand.subparser_init(subparsers)
     words = shlex.split(command)
     env = dict(w.split("=", 1) for w in words[:words.index("vllm")])
-    assert words[words.index("vllm") + 1] == "serve"
-    args = make_arg_parser(FlexibleArgumentParser()).parse_args(words[words.index("vllm") + 2:])
+    args = root.parse_args(words[words.index("vllm") + 1:])
+    assert args.subparser == "serve"
     return args, EngineArgs.from_cli_args(args), env
 
 
@@ -155,14 +159,15 @@ def test_colocated_commands_span_hosts_with_vllms_multi_node_flags(tmp_path):
     pytest.importorskip("vllm")
     cluster = Cluster.of(16, 8, "ib", "nvlink", ("10.0.0.1", "10.0.0.2"))
     tp = colocated_commands("TP 16", 16, "M", cluster, None)
-    assert [line.splitlines()[1] for line in tp] == [
+    assert tp[1::2] == [
         "vllm serve M --tensor-parallel-size 16 --nnodes 2 --node-rank 0 --master-addr 10.0.0.1",
         "vllm serve M --tensor-parallel-size 16 --nnodes 2 --node-rank 1 --master-addr 10.0.0.1 --headless"]
     dp = colocated_commands("DP x EP 16", 16, "M", cluster, "deepep_low_latency")
     assert dp[1] == ("vllm serve M --data-parallel-size 16 --data-parallel-size-local 8 --data-parallel-address "
                      "10.0.0.1 --data-parallel-rpc-port 13345 --enable-expert-parallel --all2all-backend "
                      "deepep_low_latency")
-    for command in [line.splitlines()[1] for line in tp] + [dp[1], dp[3]]:
+    assert tp[0] == "# 10.0.0.1: GPUs 0-7 of TP 16" and dp[2] == "# 10.0.0.2: vLLM DP ranks 8-15, headless"
+    for command in tp[1::2] + dp[1::2]:
         _, engine, _ = _parse(command.replace(" M ", f" {tmp_path} ", 1))
         assert engine.tensor_parallel_size * engine.data_parallel_size == 16
     assert colocated_commands("TP 4", 4, "M", Cluster.of(4, 8, "ib", "nvlink"), None) == [
