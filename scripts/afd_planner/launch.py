@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+from .cost import EP_RINGS
+
 __all__ = ["Cluster", "Share", "afd_commands", "colocated_commands", "place"]
 
 ONE_NODE_LINKS = ("nvlink", "pcie")  # links of one host, where CUDA IPC reaches the peer GPU
@@ -133,7 +135,8 @@ def afd_commands(attention_ranks: int, ffn_ranks: int, num_stages: int, model: s
                "attention": {"role": "attention", **common}}
 
     def line(share: Share, env: str, dp: str) -> str:
-        ep = " --enable-expert-parallel" if share.role == "ffn" and y > 1 else ""
+        # the one EP backend AFD's FFN pool runs (docs/config.md#ffn-data-parallelism), whatever vLLM's default
+        ep = f" --enable-expert-parallel --all2all-backend {EP_RINGS}" if share.role == "ffn" and y > 1 else ""
         return (f"{env}vllm serve {model}{dp}{ep} {graphs} \\\n  --additional-config "
                 f"'{json.dumps({'afd': configs[share.role]})}'")
 

@@ -340,7 +340,8 @@ def test_an_ffn_pool_is_recommended_eager_with_expert_parallelism(tmp_path):
     pool = next(c for c in result.afd if c.ffn_ranks == 2)
     lines = afd_plan.afd_commands(pool, "M", Cluster.of(4, 2, "ib", "nvlink", ("h", "g")), 1)  # a host per role
     ffn, attention = (line for line in lines if not line.startswith("# "))
-    assert "--data-parallel-size 2 --enable-expert-parallel --enforce-eager" in ffn
+    assert ("--data-parallel-size 2 --enable-expert-parallel --all2all-backend allgather_reducescatter "
+            "--enforce-eager") in ffn
     assert '"reform_timeout_s": 0' in ffn and "P2pNcclAFDConnector" in attention and "--enforce-eager" in attention
 
 

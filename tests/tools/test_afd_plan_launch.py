@@ -91,6 +91,8 @@ def _check_afd(lines: list[str], attention: int, ffn: int, gpus_per_host: int, t
         visible = env.get("CUDA_VISIBLE_DEVICES", ",".join(map(str, range(local)))).split(",")
         owned.setdefault(host, []).extend(visible[:local])
         assert engine.enable_expert_parallel == (config.role == "ffn" and ffn > 1)
+        if engine.enable_expert_parallel:
+            assert engine.all2all_backend == "allgather_reducescatter"  # what validation.py asks of a pool
     assert ranks == {"ffn": list(range(ffn)), "attention": list(range(attention))}
     for gpus in owned.values():
         assert len(gpus) == len(set(gpus)) <= gpus_per_host
@@ -114,7 +116,8 @@ def test_an_ffn_pool_on_two_hosts_runs_a_front_and_a_headless_rank(tmp_path):
     hosted = _hosted(lines)
     assert [h for h, _ in hosted] == ["10.0.0.5", "10.0.0.6", "10.0.0.7", "10.0.0.8"]
     assert ("--port 8001 --data-parallel-size 8 --data-parallel-size-local 4 --data-parallel-address 10.0.0.5 "
-            "--data-parallel-rpc-port 13345 --enable-expert-parallel --enforce-eager") in hosted[0][1]
+            "--data-parallel-rpc-port 13345 --enable-expert-parallel --all2all-backend allgather_reducescatter "
+            "--enforce-eager") in hosted[0][1]
     assert "--headless --data-parallel-start-rank 4 --data-parallel-size 8 --data-parallel-size-local 4" in hosted[1][1]
     assert ("--port 8000 --data-parallel-size 8 --data-parallel-size-local 4 --data-parallel-address 10.0.0.7 "
             "--data-parallel-rpc-port 13346 --enforce-eager") in hosted[2][1]
