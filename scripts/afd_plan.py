@@ -29,7 +29,7 @@ from afd_planner.launch import Cluster
 from afd_planner.links import LINKS, Link, parse_link
 from afd_planner.measure import (EXIT_CAPTURE_FAILED, LOAD_FORMATS, CaptureError, Grid, layers_through_first_moe,
                                  measure_profile, read_model_config)
-from afd_planner.profile import ProfileError, StepSample, load_profile
+from afd_planner.profile import PLATFORMS, ProfileError, StepSample, load_profile
 from afd_planner.search import Candidate, Plan, plan
 
 AFD_MARGIN = 0.05  # AFD must beat the baseline by more than this share: the model's own error is about that
@@ -67,11 +67,12 @@ def _across_hosts(cluster: Cluster) -> list[str]:
         return []
     named = "" if cluster.addresses else (" Hosts are named host0, host1, ...: pass --hosts with their addresses "
                                           "(vLLM's --data-parallel-address and --master-addr take an address).")
-    per_host = f"hosts of {cluster.gpus_per_host}" if cluster.gpus_per_host > 1 else "hosts of one GPU each, as priced"
-    return ["", f"The commands place {cluster.gpus} GPUs on {cluster.num_hosts} {per_host}.{named} Give both roles "
+    unit = cluster.unit
+    per_host = f"hosts of {cluster.gpus_per_host}" if cluster.gpus_per_host > 1 else f"hosts of one {unit[:-1]} each"
+    sockets = "GLOO_SOCKET_IFNAME" if cluster.on_cpu else "GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME"
+    return ["", f"The commands place {cluster.gpus} {unit} on {cluster.num_hosts} {per_host}.{named} Give both roles "
             "the same secret across hosts (secret_file or VLLM_AFD_SECRET, docs/security.md) and, where a host's "
-            "name resolves to loopback, GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME "
-            "(docs/operations.md#pools-across-hosts)."]
+            f"name resolves to loopback, {sockets} (docs/operations.md#pools-across-hosts)."]
 
 
 def recommendation(result: Plan, model: str, cluster: Cluster, port: int, ep_all2all: str = EP_RINGS) -> str:
@@ -137,7 +138,7 @@ def _memory(profile, device_gib: float | None):
 def cmd_plan(args: argparse.Namespace) -> int:
     profile, model, link, collective = _model(args)
     cluster = Cluster.of(args.gpus, model.gpus_per_host, link.name if link else None, model.host_link.name,
-                         args.hosts)
+                         args.hosts, profile.platform)
     if problem := cluster.problem():
         raise SystemExit(f"afd_plan: {problem}")
     context = args.context if args.context is not None else max(s.context for s in profile.attention)
@@ -185,7 +186,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
     # `predict` need nothing but this folder.
     from afd_planner.timeline import profile_from_timeline
 
-    body, notes = profile_from_timeline(args.timeline_dir, args.model_dir, args.context, args.device, args.num_layers)
+    body, notes = profile_from_timeline(args.timeline_dir, args.model_dir, args.context, args.device, args.num_layers,
+                                        args.platform)
     args.out.write_text(json.dumps(body, indent=1) + "\n", encoding="utf-8")
     for note in notes:
         print(f"note: {note}")
@@ -359,6 +361,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--context", type=int, default=0, help="prompt tokens of the recorded requests (not in the records)")
     p.add_argument("--device", default="", help="device name for the profile, e.g. 'NVIDIA H200'")
+    p.add_argument("--platform", choices=PLATFORMS, default=PLATFORMS[0],
+                   help="what the recorded deployment ran on (default cuda): the printed commands follow it")
     p.add_argument("--num-layers", type=int, help="crossing layers of the model to plan (default: config.json's)")
     p.set_defaults(run=cmd_profile)
     return root

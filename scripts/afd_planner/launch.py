@@ -9,6 +9,7 @@ a host holding both roles gives each its own GPUs first in `CUDA_VISIBLE_DEVICES
 from __future__ import annotations
 
 import json
+import shlex
 from dataclasses import dataclass
 
 from .cost import EP_RINGS
@@ -50,21 +51,30 @@ def place(roles: list[tuple[str, int]], gpus_per_host: int) -> tuple[Share, ...]
 class Cluster:
     """The hosts a plan of `gpus` GPUs runs on, as the cost model sees them."""
 
-    gpus: int
+    gpus: int  # devices: GPUs, or on CPU one core per rank (what a CPU profile measured)
     gpus_per_host: int
     one_node_link: bool  # the link inside a host is NVLink or PCIe
     addresses: tuple[str, ...] = ()  # host i's address (--hosts); empty: 127.0.0.1 on one host, else host0, host1, ...
+    platform: str = "cuda"  # the profile's: "cuda" or "cpu"
 
     @classmethod
     def of(cls, gpus: int, gpus_per_host: int, link: str | None, host_link: str,
-           addresses: tuple[str, ...] = ()) -> Cluster:
+           addresses: tuple[str, ...] = (), platform: str = "cuda") -> Cluster:
         """`gpus_per_host` 0 (not given): one host where the wire is the profile's own or NVLink/PCIe, else one
         GPU per host (every collective on `link`, as the cost model then prices it)."""
         if gpus_per_host:
-            return cls(gpus, gpus_per_host, host_link in ONE_NODE_LINKS, addresses)
+            return cls(gpus, gpus_per_host, host_link in ONE_NODE_LINKS, addresses, platform)
         if link is None or link in ONE_NODE_LINKS:
-            return cls(gpus, max(gpus, 1), True, addresses)
-        return cls(gpus, 1, False, addresses)
+            return cls(gpus, max(gpus, 1), True, addresses, platform)
+        return cls(gpus, 1, False, addresses, platform)
+
+    @property
+    def on_cpu(self) -> bool:
+        return self.platform == "cpu"
+
+    @property
+    def unit(self) -> str:
+        return "cores" if self.on_cpu else "GPUs"
 
     @property
     def num_hosts(self) -> int:
@@ -84,8 +94,12 @@ class Cluster:
         return None
 
 
-def _visible(share: Share, shares: tuple[Share, ...]) -> str:
-    """CUDA_VISIBLE_DEVICES for a share whose host holds another role: its own GPUs first, then the other's."""
+def _devices(share: Share, shares: tuple[Share, ...], cluster: Cluster) -> str:
+    """The environment that gives a share its devices.  CUDA, where its host holds another role:
+    CUDA_VISIBLE_DEVICES with its own GPUs first, then the other's.  CPU: a core per rank, as the profile measured
+    (VLLM_CPU_OMP_THREADS_BIND, one `|`-separated entry per local rank)."""
+    if cluster.on_cpu:
+        return f"VLLM_CPU_OMP_THREADS_BIND={shlex.quote('|'.join(map(str, share.gpus)))} "
     others = [g for s in shares if s.host == share.host and s.role != share.role for g in s.gpus]
     return f"CUDA_VISIBLE_DEVICES={','.join(map(str, share.gpus + tuple(others)))} " if others else ""
 
@@ -116,7 +130,7 @@ def _commands(shares: tuple[Share, ...], role: str, size: int, cluster: Cluster,
     for share in mine:
         if spans:
             lines.append(_where(share, mine, cluster))
-        lines.append(build(share, _visible(share, shares), _dp_flags(share, mine, size, cluster)))
+        lines.append(build(share, _devices(share, shares, cluster), _dp_flags(share, mine, size, cluster)))
     return lines
 
 
@@ -126,17 +140,23 @@ def afd_commands(attention_ranks: int, ffn_ranks: int, num_stages: int, model: s
     x, y = attention_ranks, ffn_ranks
     shares = place([("ffn", y), ("attention", x)], cluster.gpus_per_host)
     one_host = len({s.host for s in shares}) == 1
-    connector = "P2pIpcAFDConnector" if one_host and cluster.one_node_link else "P2pNcclAFDConnector"
+    if cluster.on_cpu:
+        connector = "P2pGlooAFDConnector"
+    else:
+        connector = "P2pIpcAFDConnector" if one_host and cluster.one_node_link else "P2pNcclAFDConnector"
     common = {"num_attention_ranks": x, "num_ffn_ranks": y, "num_stages": num_stages, "connector": connector,
               "host": cluster.address(0), "port": port}
     # FFN DP > 1 runs eager, with reform_timeout_s 0, and the graph mode must match on both roles (config.md).
-    graphs = "--enforce-eager" if y > 1 else "--compilation-config '{\"cudagraph_mode\": \"FULL_DECODE_ONLY\"}'"
+    graphs = ("--enforce-eager" if y > 1 or cluster.on_cpu else
+              "--compilation-config '{\"cudagraph_mode\": \"FULL_DECODE_ONLY\"}'")
     configs = {"ffn": {"role": "ffn", **common, **({"reform_timeout_s": 0} if y > 1 else {})},
                "attention": {"role": "attention", **common}}
 
     def line(share: Share, env: str, dp: str) -> str:
-        # the one EP backend AFD's FFN pool runs (docs/config.md#ffn-data-parallelism), whatever vLLM's default
-        ep = f" --enable-expert-parallel --all2all-backend {EP_RINGS}" if share.role == "ffn" and y > 1 else ""
+        # the one EP backend AFD's FFN pool runs on CUDA (docs/config.md#ffn-data-parallelism), whatever vLLM's
+        # default; vLLM's CPU communicator has one
+        ep = " --enable-expert-parallel" if share.role == "ffn" and y > 1 else ""
+        ep += f" --all2all-backend {EP_RINGS}" if ep and not cluster.on_cpu else ""
         return (f"{env}vllm serve {model}{dp}{ep} {graphs} \\\n  --additional-config "
                 f"'{json.dumps({'afd': configs[share.role]})}'")
 
@@ -150,15 +170,16 @@ def colocated_commands(label: str, gpus: int, model: str, cluster: Cluster, ep_a
     if label.startswith("TP"):
         hosts = len(shares)
         if hosts == 1:
-            return [f"vllm serve {model} --tensor-parallel-size {gpus}"]
+            return [f"{_devices(shares[0], shares, cluster)}vllm serve {model} --tensor-parallel-size {gpus}"]
         if gpus % hosts:
             return [f"# TP {gpus} does not split evenly over {hosts} hosts (vLLM's --nnodes needs an equal share)"]
         local = gpus // hosts
         return [line for h in range(hosts) for line in (
-            f"# {cluster.address(h)}: GPUs {local * h}-{local * (h + 1) - 1} of TP {gpus}",
-            f"vllm serve {model} --tensor-parallel-size {gpus} --nnodes {hosts} --node-rank {h} "
+            f"# {cluster.address(h)}: {cluster.unit} {local * h}-{local * (h + 1) - 1} of TP {gpus}",
+            f"{_devices(shares[h], shares, cluster)}vllm serve {model} --tensor-parallel-size {gpus} --nnodes {hosts} "
+            f"--node-rank {h} "
             f"--master-addr {cluster.address(0)}{' --headless' if h else ''}")]
     ep = " --enable-expert-parallel" if gpus > 1 else ""
-    ep += f" --all2all-backend {ep_all2all}" if gpus > 1 and ep_all2all else ""
+    ep += f" --all2all-backend {ep_all2all}" if gpus > 1 and ep_all2all and not cluster.on_cpu else ""
     return _commands(shares, "colocated", gpus, cluster,
                      lambda share, env, dp: f"{env}vllm serve {model}{dp}{ep}".rstrip())

@@ -487,6 +487,7 @@ def measure_profile(model_dir: Path, grid: Grid, *, device: str = "cpu", load_fo
                   "warm cache: calls back to back")
     body = {"schema": SCHEMA, "version": VERSION,
             "device": f"{'CPU, 1 thread per role' if device == 'cpu' else torch.cuda.get_device_name(0)}",
+            "platform": device,
             "source": f"afd_plan.py profile {model_dir} (load format {load_format}, {hf.num_hidden_layers} of "
                       f"{full_layers} layers built; layer {layer}; median of {grid.repeats} {timer.describe()} after "
                       f"{grid.warmup} warm-up; {cache_text})",

@@ -12,11 +12,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["SCHEMA", "VERSION", "AttentionSample", "FfnSample", "Memory", "ModelShape", "Profile", "ProfileError",
-           "StepSample", "TransportSample", "load_profile", "parse_profile"]
+__all__ = ["PLATFORMS", "SCHEMA", "VERSION", "AttentionSample", "FfnSample", "Memory", "ModelShape", "Profile",
+           "ProfileError", "StepSample", "TransportSample", "load_profile", "parse_profile"]
 
 SCHEMA = "afd-profile"
 VERSION = 1
+PLATFORMS = ("cuda", "cpu")  # what ran the samples: the printed commands differ (afd_planner/launch.py)
 
 
 class ProfileError(ValueError):
@@ -94,10 +95,12 @@ class Profile:
     afd_step_extra_ms: float  # AFD only: the control payload per step
     source: str
     memory: Memory | None = None  # None: only --max-batch bounds the batch
+    platform: str = PLATFORMS[0]
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "schema": SCHEMA, "version": VERSION, "device": self.device, "source": self.source,
+            "schema": SCHEMA, "version": VERSION, "device": self.device, "platform": self.platform,
+            "source": self.source,
             "model": {name: getattr(self.model, name) for name in ModelShape.__slots__},
             "attention": [{"batch": s.batch, "context": s.context, "ms": s.ms} for s in self.attention],
             "ffn": [{"tokens": s.tokens, "experts": s.experts, "ms": s.ms} for s in self.ffn],
@@ -206,8 +209,11 @@ def parse_profile(body: Any) -> Profile:
         if sample.experts > shape.num_experts:
             raise ProfileError(f"profile: ffn[{index}].experts ({sample.experts}) exceeds model.num_experts "
                                f"({shape.num_experts}); it counts the experts held by the measured FFN rank")
+    platform = body.get("platform", PLATFORMS[0])
+    if platform not in PLATFORMS:
+        raise ProfileError(f"profile: platform must be one of {PLATFORMS} (what ran the samples), got {platform!r}")
     return Profile(
-        device=_str(_field(body, "device", ""), "device"), model=shape,
+        device=_str(_field(body, "device", ""), "device"), model=shape, platform=platform,
         attention=tuple(AttentionSample(**s) for s in _samples(body, "attention", {"batch": 1, "context": 0})),
         ffn=tuple(ffn),
         transport=tuple(TransportSample(**s) for s in _samples(body, "transport", {"bytes": 0})),

@@ -45,7 +45,7 @@ def _one_stage(records: list) -> list:
 
 
 def profile_from_timeline(timeline_dir: Path, model_dir: Path, context: int, device: str = "",
-                          num_layers: int | None = None) -> tuple[dict[str, Any], list[str]]:
+                          num_layers: int | None = None, platform: str = "cuda") -> tuple[dict[str, Any], list[str]]:
     """(the profile as JSON, notes for the user); the profile passes `parse_profile`."""
     ranks = {stem: _one_stage(records) for stem, records in timeline_report.load(Path(timeline_dir)).items()}
     num_attention = len(timeline_report.role_stems(ranks, "attention"))
@@ -77,7 +77,7 @@ def profile_from_timeline(timeline_dir: Path, model_dir: Path, context: int, dev
         step = [{"batch": rows[0]["rows"], "ms": 0.0}]
     if len({s["batch"] for s in attention}) < 2:
         notes.append("one batch size only: costs are flat in the batch; record at >= 3 batch sizes")
-    body = {"schema": SCHEMA, "version": VERSION, "device": device,
+    body = {"schema": SCHEMA, "version": VERSION, "device": device, "platform": platform,
             "source": f"profile-from-timeline {timeline_dir}", "model": model, "attention": attention,
             "ffn": ffn, "transport": transport, "step": step, "afd_step_extra_ms": 0.0}
     parse_profile(body)  # what we write must read back

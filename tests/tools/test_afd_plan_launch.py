@@ -190,3 +190,23 @@ def test_plan_across_hosts_names_them_and_says_what_else_they_need(tmp_path, cap
         afd_plan.main(["plan", profile, "--gpus", "4", "--hosts", "10.0.0.1,,"])
     afd_plan.main(["plan", profile, "--gpus", "4", "--link", "nvlink", "--max-batch", "64"])
     assert "host0" not in (one_host := capsys.readouterr().out) and "--hosts" not in one_host
+
+
+def test_a_cpu_profile_prints_gloo_eager_and_a_core_per_rank(tmp_path):
+    """What the CPU profile measured (one thread per rank) is what the commands ask for, quoted for the shell."""
+    pytest.importorskip("vllm")
+    from vllm_afd.config import parse_afd_config
+
+    lines = afd_commands(3, 1, 2, "M", Cluster.of(4, 2, "eth", "nvlink", platform="cpu"), 6390)
+    assert "VLLM_CPU_OMP_THREADS_BIND='0|1' vllm serve M --headless --data-parallel-start-rank 1" in "".join(lines)
+    for _, command in _hosted(lines):
+        args, engine, env = _parse(command.replace(" M ", f" {tmp_path} ", 1))
+        cores = env["VLLM_CPU_OMP_THREADS_BIND"].split("|")
+        assert len(cores) == (engine.data_parallel_size_local or engine.data_parallel_size)
+        assert engine.enforce_eager and parse_afd_config(engine).connector == "P2pGlooAFDConnector"
+    pool = afd_commands(2, 2, 1, "M", Cluster.of(4, 0, None, "nvlink", platform="cpu"), 6390)
+    assert "--enable-expert-parallel --enforce-eager" in pool[0]  # vLLM's CPU communicator has one EP backend
+    assert colocated_commands("TP 2", 2, "M", Cluster.of(2, 0, None, "nvlink", platform="cpu"), None) == [
+        "VLLM_CPU_OMP_THREADS_BIND='0|1' vllm serve M --tensor-parallel-size 2"]
+    assert "--all2all-backend" not in colocated_commands("DP x EP 2", 2, "M", Cluster.of(2, 0, None, "nvlink",
+                                                                                         platform="cpu"), "x")[0]

@@ -28,7 +28,17 @@ def test_a_good_profile_round_trips():
 
 @pytest.mark.parametrize("path", sorted(PROFILES.glob("*.json")), ids=lambda p: p.name)
 def test_the_shipped_profiles_are_valid(path):
-    assert load_profile(path).model.num_layers >= 1
+    profile = load_profile(path)
+    assert profile.model.num_layers >= 1
+    assert profile.platform == ("cpu" if path.name.startswith("cpu-") else "cuda")
+
+
+def test_a_profile_without_a_platform_is_cudas():
+    """Profiles written before the field: the planner's GPU commands, as before."""
+    body = toy()
+    body.pop("platform", None)
+    assert parse_profile(body).platform == "cuda"
+    assert parse_profile(toy() | {"platform": "cpu"}).to_json()["platform"] == "cpu"
 
 
 def _bad(edit) -> dict:
@@ -53,6 +63,8 @@ def _bad(edit) -> dict:
     (lambda b: b["transport"].__setitem__(0, 3), r"transport\[0\] must be an object, got 3"),
     (lambda b: b["step"][0].update(batch=0), r"step\[0\].batch must be an integer >= 1, got 0"),
     (lambda b: b.update(afd_step_extra_ms="1"), "afd_step_extra_ms must be a finite number of ms"),
+    (lambda b: b.update(platform="tpu"),
+     r"platform must be one of \('cuda', 'cpu'\) \(what ran the samples\), got 'tpu'"),
     (lambda b: b.update(memory={"device_gib": 0}), "memory.device_gib must be a number > 0, got 0"),
     (lambda b: b.update(memory={"device_gib": 1, "dense_weights_gib": 1, "expert_weights_gib": 1,
                                 "kv_bytes_per_token": 1, "utilization": 1.5}), "memory.utilization must be"),
@@ -112,7 +124,9 @@ def write_model(directory: Path, **overrides) -> Path:
 def test_the_converter_reads_each_batch_size_back(tmp_path):
     """The scripted costs come back as samples: attention a, FFN f, transport = wire, host share per step."""
     write_timeline(tmp_path / "tl", {2: (100, 200, 40), 8: (300, 500, 60)})
-    body, notes = profile_from_timeline(tmp_path / "tl", write_model(tmp_path / "m"), context=512, device="cpu")
+    body, notes = profile_from_timeline(tmp_path / "tl", write_model(tmp_path / "m"), context=512, device="cpu",
+                                        platform="cpu")
+    assert body["platform"] == "cpu"
     assert body["model"] == {"name": "m", "hidden_size": 1024, "num_layers": LAYERS, "num_experts": 16,
                              "top_k": 2, "dtype_bytes": 2}
     assert body["attention"] == [{"batch": 2, "context": 512, "ms": 0.1}, {"batch": 8, "context": 512, "ms": 0.3}]
