@@ -61,20 +61,6 @@ def afd_commands(best: Candidate, model: str, cluster: Cluster, port: int) -> li
     return launch.afd_commands(best.attention_ranks, best.ffn_ranks, best.num_stages, model, cluster, port)
 
 
-def _across_hosts(cluster: Cluster) -> list[str]:
-    """What a deployment on several hosts needs beyond its commands."""
-    if cluster.num_hosts == 1:
-        return []
-    named = "" if cluster.addresses else (" Hosts are named host0, host1, ...: pass --hosts with their addresses "
-                                          "(vLLM's --data-parallel-address and --master-addr take an address).")
-    unit = cluster.unit
-    per_host = f"hosts of {cluster.gpus_per_host}" if cluster.gpus_per_host > 1 else f"hosts of one {unit[:-1]} each"
-    sockets = "GLOO_SOCKET_IFNAME" if cluster.on_cpu else "GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME"
-    return ["", f"The commands place {cluster.gpus} {unit} on {cluster.num_hosts} {per_host}.{named} Give both roles "
-            "the same secret across hosts (secret_file or VLLM_AFD_SECRET, docs/security.md) and, where a host's "
-            f"name resolves to loopback, {sockets} (docs/operations.md#pools-across-hosts)."]
-
-
 def recommendation(result: Plan, model: str, cluster: Cluster, port: int, ep_all2all: str = EP_RINGS) -> str:
     best, base = result.best_afd, result.baseline
     if result.afd_wins(AFD_MARGIN):
@@ -83,8 +69,8 @@ def recommendation(result: Plan, model: str, cluster: Cluster, port: int, ep_all
         lines = [f"Run AFD {best.label} with {best.num_stages} stage(s): {ratio:.2f}x "
                  f"the colocated {base.label} per GPU (batch {best.batch} per attention rank, TPOT "
                  f"{best.step_ms:.2f} ms).", "", "FFN role, then attention role (either may start first):", ""]
-        lines += afd_commands(best, model, cluster, port) + _across_hosts(cluster)
-        if result.gpus > 1 and ep_all2all == EP_RINGS:
+        lines += afd_commands(best, model, cluster, port) + launch.across_hosts(cluster)
+        if result.gpus > 1 and ep_all2all == EP_RINGS and not cluster.on_cpu:
             lines += ["", f"This gain is over a colocated DP x EP on vLLM's default {EP_RINGS}; if yours would run "
                       f"all-to-all kernels (DeepEP), plan again with --ep-all2all {EP_ALL_TO_ALL} "
                       "(docs/planner.md#against-all-to-all-ep-kernels)."]
@@ -96,10 +82,11 @@ def recommendation(result: Plan, model: str, cluster: Cluster, port: int, ep_all
     backend = ep_all2all if ep_all2all != EP_RINGS else None
     lines = [f"Stay colocated: {why}.", "",
              *launch.colocated_commands(base.label, result.gpus, model, cluster, backend)]
-    if best is not None and best.meets_tpot:
+    anyway = best is not None and best.meets_tpot
+    if anyway:
         lines += ["", f"AFD {best.label} anyway (FFN role, then attention role):", "",
                   *afd_commands(best, model, cluster, port)]
-    return "\n".join(lines + _across_hosts(cluster))
+    return "\n".join(lines + launch.across_hosts(cluster, afd=anyway))
 
 
 def _model(args: argparse.Namespace):

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from .cost import EP_RINGS
 
-__all__ = ["Cluster", "Share", "afd_commands", "colocated_commands", "place"]
+__all__ = ["Cluster", "Share", "across_hosts", "afd_commands", "colocated_commands", "place"]
 
 ONE_NODE_LINKS = ("nvlink", "pcie")  # links of one host, where CUDA IPC reaches the peer GPU
 LOOPBACK = "127.0.0.1"
@@ -74,7 +74,7 @@ class Cluster:
 
     @property
     def unit(self) -> str:
-        return "cores" if self.on_cpu else "GPUs"
+        return "core" if self.on_cpu else "GPU"
 
     @property
     def num_hosts(self) -> int:
@@ -175,7 +175,7 @@ def colocated_commands(label: str, gpus: int, model: str, cluster: Cluster, ep_a
             return [f"# TP {gpus} does not split evenly over {hosts} hosts (vLLM's --nnodes needs an equal share)"]
         local = gpus // hosts
         return [line for h in range(hosts) for line in (
-            f"# {cluster.address(h)}: {cluster.unit} {local * h}-{local * (h + 1) - 1} of TP {gpus}",
+            f"# {cluster.address(h)}: {cluster.unit}s {local * h}-{local * (h + 1) - 1} of TP {gpus}",
             f"{_devices(shares[h], shares, cluster)}vllm serve {model} --tensor-parallel-size {gpus} --nnodes {hosts} "
             f"--node-rank {h} "
             f"--master-addr {cluster.address(0)}{' --headless' if h else ''}")]
@@ -183,3 +183,19 @@ def colocated_commands(label: str, gpus: int, model: str, cluster: Cluster, ep_a
     ep += f" --all2all-backend {ep_all2all}" if gpus > 1 and ep_all2all and not cluster.on_cpu else ""
     return _commands(shares, "colocated", gpus, cluster,
                      lambda share, env, dp: f"{env}vllm serve {model}{dp}{ep}".rstrip())
+
+
+def across_hosts(cluster: Cluster, afd: bool = True) -> list[str]:
+    """What a deployment on several hosts needs beyond its commands (nothing on one host); `afd`: AFD commands
+    were printed, whose roles need a shared secret."""
+    if cluster.num_hosts == 1:
+        return []
+    named = "" if cluster.addresses else (" Hosts are named host0, host1, ...: pass --hosts with their addresses "
+                                          "(vLLM's --data-parallel-address and --master-addr take an address).")
+    per_host = (f"hosts of {cluster.gpus_per_host}" if cluster.gpus_per_host > 1 else
+                f"hosts of one {cluster.unit} each")
+    secret = (" Give both AFD roles the same secret across hosts (secret_file or VLLM_AFD_SECRET, docs/security.md)."
+              if afd else "")
+    sockets = "GLOO_SOCKET_IFNAME" if cluster.on_cpu else "GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME"
+    return ["", f"The commands place {cluster.gpus} {cluster.unit}s on {cluster.num_hosts} {per_host}.{named}{secret} "
+            f"Where a host's name resolves to loopback, set {sockets} (docs/operations.md#pools-across-hosts)."]

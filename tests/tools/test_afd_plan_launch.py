@@ -10,7 +10,7 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 import afd_plan
-from afd_planner.launch import Cluster, afd_commands, colocated_commands, place
+from afd_planner.launch import Cluster, across_hosts, afd_commands, colocated_commands, place
 from tests.tools.test_afd_plan import FLAT, toy, write
 
 
@@ -210,3 +210,10 @@ def test_a_cpu_profile_prints_gloo_eager_and_a_core_per_rank(tmp_path):
         "VLLM_CPU_OMP_THREADS_BIND='0|1' vllm serve M --tensor-parallel-size 2"]
     assert "--all2all-backend" not in colocated_commands("DP x EP 2", 2, "M", Cluster.of(2, 0, None, "nvlink",
                                                                                          platform="cpu"), "x")[0]
+
+
+def test_the_note_across_hosts_names_the_secret_only_beside_afd_commands():
+    two_hosts = Cluster.of(16, 8, "ib", "nvlink", ("a", "b"))
+    assert "secret" in across_hosts(two_hosts)[1] and "secret" not in across_hosts(two_hosts, afd=False)[1]
+    assert "pass --hosts" not in across_hosts(two_hosts)[1]
+    assert across_hosts(Cluster.of(8, 8, "ib", "nvlink")) == []
