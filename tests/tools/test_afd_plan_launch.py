@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import json
-import shlex
+import subprocess
+import sys
 
 import pytest
 from hypothesis import example, given
@@ -41,21 +42,47 @@ def test_the_cluster_is_the_one_the_cost_model_prices(gpus_per_host, link, hosts
     assert cluster.address(0) == ("127.0.0.1" if hosts == 1 else "host0")
 
 
-def _parse(command: str):
-    """The engine args `vllm serve`'s own parser (as vLLM's CLI builds it) makes of one command, and its env."""
-    from vllm.engine.arg_utils import EngineArgs
-    from vllm.entrypoints.cli.serve import cmd_init
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
+# NOTE: in a child process: building `vllm serve`'s parser loads vLLM's general plugins, and the overlay's routes
+# the `vllm_afd` logger through vLLM's handlers for the rest of the process (plugin.py), which later tests'
+# caplog would then miss (tests/overlay/test_plugin_logging.py runs its children the same way).
+PARSE_CHILD = r"""
+import json, shlex, sys
+from vllm.engine.arg_utils import EngineArgs
+from vllm.entrypoints.cli.serve import cmd_init
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+from vllm_afd.config import parse_afd_config
 
-    root = FlexibleArgumentParser()
-    subparsers = root.add_subparsers(dest="subparser")
-    for subcommand in cmd_init():
-        subcommand.subparser_init(subparsers)
+root = FlexibleArgumentParser()
+subparsers = root.add_subparsers(dest="subparser")
+for subcommand in cmd_init():
+    subcommand.subparser_init(subparsers)
+out = []
+for command in json.load(sys.stdin):
     words = shlex.split(command)
-    env = dict(w.split("=", 1) for w in words[:words.index("vllm")])
     args = root.parse_args(words[words.index("vllm") + 1:])
-    assert args.subparser == "serve"
-    return args, EngineArgs.from_cli_args(args), env
+    engine = EngineArgs.from_cli_args(args)
+    config = parse_afd_config(engine)
+    out.append({"env": dict(w.split("=", 1) for w in words[:words.index("vllm")]), "subparser": args.subparser,
+                "headless": args.headless, "port": args.port, "afd": config and {
+                    k: getattr(config, k) for k in ("role", "host", "port", "connector", "num_stages",
+                                                    "reform_timeout_s")},
+                **{k: getattr(engine, k) for k in ("data_parallel_size", "data_parallel_size_local",
+                                                   "data_parallel_start_rank", "enable_expert_parallel",
+                                                   "all2all_backend", "tensor_parallel_size", "enforce_eager")}})
+print(json.dumps(out))
+"""
+
+
+def _parse(commands: list[str], model_dir) -> list[dict]:
+    """What the installed vLLM's `vllm serve` parser makes of each command (and the overlay of its config)."""
+    pytest.importorskip("vllm")
+    commands = [c.replace(" M ", f" {model_dir} ", 1) for c in commands]
+    result = subprocess.run([sys.executable, "-c", PARSE_CHILD], input=json.dumps(commands), capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    parsed = json.loads(result.stdout.splitlines()[-1])
+    assert [p["subparser"] for p in parsed] == ["serve"] * len(commands)
+    return parsed
 
 
 def _hosted(lines: list[str]) -> list[tuple[str, str]]:
@@ -69,44 +96,40 @@ def _hosted(lines: list[str]) -> list[tuple[str, str]]:
     return out
 
 
-def _check_afd(lines: list[str], attention: int, ffn: int, gpus_per_host: int, tmp_path) -> dict:
+def _check_afd(lines: list[str], attention: int, ffn: int, gpus_per_host: int, tmp_path) -> list[dict]:
     """Parse every command; each role's DP ranks come out 0..N-1 once; a host's roles own disjoint GPUs."""
-    pytest.importorskip("vllm")
-    from vllm_afd.config import parse_afd_config
-
+    hosted = _hosted(lines)
+    parsed = _parse([command for _, command in hosted], tmp_path)
     ranks = {"ffn": [], "attention": []}
     owned: dict[str, list[str]] = {}
-    configs = []
-    for host, command in _hosted(lines):
-        args, engine, env = _parse(command.replace(" M ", f" {tmp_path} ", 1))
-        config = parse_afd_config(engine)
-        configs.append(config)
-        size = engine.data_parallel_size
-        assert size == (ffn if config.role == "ffn" else attention)
-        local = engine.data_parallel_size_local or size
-        start = engine.data_parallel_start_rank or 0
-        ranks[config.role] += range(start, start + local)
-        assert args.headless == (start > 0)
-        assert (args.port in (8000, 8001)) or args.headless
-        visible = env.get("CUDA_VISIBLE_DEVICES", ",".join(map(str, range(local)))).split(",")
+    for (host, _), p in zip(hosted, parsed):
+        config = p["afd"]
+        size = p["data_parallel_size"]
+        assert size == (ffn if config["role"] == "ffn" else attention)
+        local = p["data_parallel_size_local"] or size
+        start = p["data_parallel_start_rank"] or 0
+        ranks[config["role"]] += range(start, start + local)
+        assert p["headless"] == (start > 0)
+        assert p["port"] in (8000, 8001) or p["headless"]
+        visible = p["env"].get("CUDA_VISIBLE_DEVICES", ",".join(map(str, range(local)))).split(",")
         owned.setdefault(host, []).extend(visible[:local])
-        assert engine.enable_expert_parallel == (config.role == "ffn" and ffn > 1)
-        if engine.enable_expert_parallel:
-            assert engine.all2all_backend == "allgather_reducescatter"  # what validation.py asks of a pool
+        assert p["enable_expert_parallel"] == (config["role"] == "ffn" and ffn > 1)
+        if p["enable_expert_parallel"]:
+            assert p["all2all_backend"] == "allgather_reducescatter"  # what validation.py asks of a pool
     assert ranks == {"ffn": list(range(ffn)), "attention": list(range(attention))}
     for gpus in owned.values():
         assert len(gpus) == len(set(gpus)) <= gpus_per_host
-    assert len({(c.host, c.port, c.connector, c.num_stages) for c in configs}) == 1
-    return {"configs": configs}
+    assert len({(p["afd"]["host"], p["afd"]["port"], p["afd"]["connector"], p["afd"]["num_stages"])
+                for p in parsed}) == 1
+    return [p["afd"] for p in parsed]
 
 
 def test_one_host_gives_each_role_its_own_gpus_first(tmp_path):
     lines = afd_commands(7, 1, 2, "M", Cluster.of(8, 0, "nvlink", "nvlink"), 6390)
     assert lines[0].startswith("CUDA_VISIBLE_DEVICES=0,1,2,3,4,5,6,7 vllm serve M --port 8001 ")
     assert lines[1].startswith("CUDA_VISIBLE_DEVICES=1,2,3,4,5,6,7,0 vllm serve M --port 8000 --data-parallel-size 7 ")
-    out = _check_afd(lines, 7, 1, 8, tmp_path)
-    assert {c.connector for c in out["configs"]} == {"P2pIpcAFDConnector"}
-    assert {c.host for c in out["configs"]} == {"127.0.0.1"}
+    configs = _check_afd(lines, 7, 1, 8, tmp_path)
+    assert {(c["connector"], c["host"]) for c in configs} == {("P2pIpcAFDConnector", "127.0.0.1")}
 
 
 def test_an_ffn_pool_on_two_hosts_runs_a_front_and_a_headless_rank(tmp_path):
@@ -122,8 +145,8 @@ def test_an_ffn_pool_on_two_hosts_runs_a_front_and_a_headless_rank(tmp_path):
     assert ("--port 8000 --data-parallel-size 8 --data-parallel-size-local 4 --data-parallel-address 10.0.0.7 "
             "--data-parallel-rpc-port 13346 --enforce-eager") in hosted[2][1]
     assert "CUDA_VISIBLE_DEVICES" not in "".join(lines)
-    out = _check_afd(lines, 8, 8, 4, tmp_path)
-    assert {(c.host, c.connector, c.reform_timeout_s if c.role == "ffn" else 0) for c in out["configs"]} == {
+    configs = _check_afd(lines, 8, 8, 4, tmp_path)
+    assert {(c["host"], c["connector"], c["reform_timeout_s"] if c["role"] == "ffn" else 0) for c in configs} == {
         ("10.0.0.5", "P2pNcclAFDConnector", 0)}
 
 
@@ -159,7 +182,6 @@ def test_every_split_prints_commands_that_place_each_rank_once(attention, ffn, g
 
 
 def test_colocated_commands_span_hosts_with_vllms_multi_node_flags(tmp_path):
-    pytest.importorskip("vllm")
     cluster = Cluster.of(16, 8, "ib", "nvlink", ("10.0.0.1", "10.0.0.2"))
     tp = colocated_commands("TP 16", 16, "M", cluster, None)
     assert tp[1::2] == [
@@ -170,9 +192,8 @@ def test_colocated_commands_span_hosts_with_vllms_multi_node_flags(tmp_path):
                      "10.0.0.1 --data-parallel-rpc-port 13345 --enable-expert-parallel --all2all-backend "
                      "deepep_low_latency")
     assert tp[0] == "# 10.0.0.1: GPUs 0-7 of TP 16" and dp[2] == "# 10.0.0.2: vLLM DP ranks 8-15, headless"
-    for command in tp[1::2] + dp[1::2]:
-        _, engine, _ = _parse(command.replace(" M ", f" {tmp_path} ", 1))
-        assert engine.tensor_parallel_size * engine.data_parallel_size == 16
+    for p in _parse(tp[1::2] + dp[1::2], tmp_path):
+        assert p["tensor_parallel_size"] * p["data_parallel_size"] == 16 and p["afd"] is None
     assert colocated_commands("TP 4", 4, "M", Cluster.of(4, 8, "ib", "nvlink"), None) == [
         "vllm serve M --tensor-parallel-size 4"]
     assert "does not split evenly" in colocated_commands("TP 9", 9, "M", Cluster.of(9, 8, "ib", "nvlink"), None)[0]
@@ -194,16 +215,12 @@ def test_plan_across_hosts_names_them_and_says_what_else_they_need(tmp_path, cap
 
 def test_a_cpu_profile_prints_gloo_eager_and_a_core_per_rank(tmp_path):
     """What the CPU profile measured (one thread per rank) is what the commands ask for, quoted for the shell."""
-    pytest.importorskip("vllm")
-    from vllm_afd.config import parse_afd_config
-
     lines = afd_commands(3, 1, 2, "M", Cluster.of(4, 2, "eth", "nvlink", platform="cpu"), 6390)
     assert "VLLM_CPU_OMP_THREADS_BIND='0|1' vllm serve M --headless --data-parallel-start-rank 1" in "".join(lines)
-    for _, command in _hosted(lines):
-        args, engine, env = _parse(command.replace(" M ", f" {tmp_path} ", 1))
-        cores = env["VLLM_CPU_OMP_THREADS_BIND"].split("|")
-        assert len(cores) == (engine.data_parallel_size_local or engine.data_parallel_size)
-        assert engine.enforce_eager and parse_afd_config(engine).connector == "P2pGlooAFDConnector"
+    for p in _parse([command for _, command in _hosted(lines)], tmp_path):
+        cores = p["env"]["VLLM_CPU_OMP_THREADS_BIND"].split("|")
+        assert len(cores) == (p["data_parallel_size_local"] or p["data_parallel_size"])
+        assert p["enforce_eager"] and p["afd"]["connector"] == "P2pGlooAFDConnector"
     pool = afd_commands(2, 2, 1, "M", Cluster.of(4, 0, None, "nvlink", platform="cpu"), 6390)
     assert "--enable-expert-parallel --enforce-eager" in pool[0]  # vLLM's CPU communicator has one EP backend
     assert colocated_commands("TP 2", 2, "M", Cluster.of(2, 0, None, "nvlink", platform="cpu"), None) == [
